@@ -1,0 +1,34 @@
+"""beaconkv: long chain-of-thought decoding with a compressed KV cache, in pure PyTorch.
+
+Public API::
+
+    model = beaconkv.load_model(path_or_hub_id, dtype=torch.bfloat16, device="cuda")
+    tok = beaconkv.load_tokenizer(path_or_hub_id)
+    out = beaconkv.generate(model, tok, prompts, max_new_tokens=256, policy=BeaconKV(budget=2048))
+"""
+
+from .cache import KVCache, LayerKVCache
+from .generation import GenerationOutput, GenerationStats, PromptError, generate
+from .models import CausalLM, ModelConfig, load_model
+from .tokenizer import Tokenizer, load_tokenizer
+
+
+def embedded_model_path(cache_dir=None):
+    """Directory of the embedded SmolLM2-135M-Instruct checkpoint, converted from GGUF on first use.
+
+    Args:
+        cache_dir: Where converted checkpoints live (default ``$BEACONKV_CACHE`` or ``~/.cache/beaconkv``).
+
+    Returns:
+        A Hugging Face style directory that :func:`load_model` and :func:`load_tokenizer` accept.
+    """
+    from .models.embedded import embedded_model_path as _path
+
+    return _path(cache_dir)
+
+
+__version__ = "0.1.0"
+__all__ = [
+    "CausalLM", "GenerationOutput", "GenerationStats", "KVCache", "LayerKVCache", "ModelConfig", "PromptError",
+    "Tokenizer", "embedded_model_path", "generate", "load_model", "load_tokenizer",
+]

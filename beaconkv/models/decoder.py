@@ -1,0 +1,180 @@
+"""The decoder stack: decoder layer, causal-LM model, and one builder for llama/qwen2/qwen3.
+
+Every component is built outside and injected (norms, rotary module, attention, MLP), so a user
+can swap any of them; :func:`build_model` is the one place that knows how the three supported
+architectures differ (q/k/v biases for Qwen2, per-head q/k norms for Qwen3, tied or untied head).
+Parameter names are Hugging Face's, so checkpoints load without a renaming table.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..cache import KVCache
+from .attention import Attention
+from .config import ModelConfig
+from .layers import RMSNorm, SwiGLUMLP
+from .rope import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    Args:
+        self_attn: The attention module.
+        mlp: The feed-forward module.
+        input_layernorm: Norm before attention.
+        post_attention_layernorm: Norm before the MLP.
+    """
+
+    def __init__(
+        self, self_attn: nn.Module, mlp: nn.Module, input_layernorm: nn.Module, post_attention_layernorm: nn.Module
+    ) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+
+    def forward(self, x: Tensor, positions: Tensor, valid: Tensor | None, cache, decode: bool) -> Tensor:
+        """Applies the block (see :meth:`Attention.forward` for the arguments)."""
+        x = x + self.self_attn(self.input_layernorm(x), positions, valid, cache, decode)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Token embedding, decoder layers and final norm (HF's ``model.*`` submodule).
+
+    Args:
+        embed_tokens: Token embedding.
+        layers: Decoder layers.
+        norm: Final norm.
+    """
+
+    def __init__(self, embed_tokens: nn.Embedding, layers: list[nn.Module], norm: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        valid: Tensor | None = None,
+        cache: KVCache | None = None,
+        decode: bool = False,
+    ) -> Tensor:
+        """Returns the final hidden states ``(batch, seq, hidden)``."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, valid, None if cache is None else cache[i], decode)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only causal language model.
+
+    ``model(input_ids)`` is a plain causal forward returning logits ``(batch, seq, vocab)``.
+    Generation uses :meth:`prefill` and :meth:`decode_step` against a :class:`~beaconkv.cache.KVCache`.
+
+    Args:
+        config: The architecture.
+        model: The decoder stack (``model.*`` parameters).
+        lm_head: Output projection; its weight is the embedding matrix when embeddings are tied.
+        rope: The rotary module shared by all layers (handed to eviction policies).
+    """
+
+    def __init__(self, config: ModelConfig, model: DecoderModel, lm_head: nn.Linear, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.lm_head = lm_head
+        self.rope = rope
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, valid: Tensor | None = None) -> Tensor:
+        """Plain causal forward, no cache.
+
+        Args:
+            input_ids: ``(batch, seq)`` token ids (right-padded if ``valid`` is given).
+            valid: Optional ``(batch, seq)`` bool mask, False on padding.
+
+        Returns:
+            Logits ``(batch, seq, vocab)`` in float32.
+        """
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        return self.lm_head(self.model(input_ids, positions, valid)).float()
+
+    def prefill(self, input_ids: Tensor, valid: Tensor, cache: KVCache) -> Tensor:
+        """Runs right-padded prompts, fills ``cache`` and returns each sequence's last-token logits.
+
+        Args:
+            input_ids: ``(batch, L)`` prompt ids, right-padded.
+            valid: ``(batch, L)`` bool, False on padding.
+            cache: The generation's cache (capacity >= L).
+
+        Returns:
+            ``(batch, vocab)`` float32 logits at each prompt's last real token.
+        """
+        B, L = input_ids.shape
+        positions = torch.arange(L, device=input_ids.device).expand(B, -1)
+        hidden = self.model(input_ids, positions, valid, cache)
+        last = valid.sum(-1) - 1  # (batch,)
+        h_last = hidden[torch.arange(B, device=hidden.device), last]
+        return self.lm_head(h_last).float()
+
+    def decode_step(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        """One decode step for the whole batch: static shapes, in-place cache writes.
+
+        Args:
+            tokens: ``(batch,)`` the newest token of each sequence.
+            positions: ``(batch,)`` its absolute position.
+            cache: The generation's cache.
+
+        Returns:
+            ``(batch, vocab)`` float32 logits.
+        """
+        hidden = self.model(tokens[:, None], positions[:, None], None, cache, decode=True)
+        return self.lm_head(hidden[:, 0]).float()
+
+
+def build_model(config: ModelConfig) -> CausalLM:
+    """Builds an (uninitialised) model for a llama, qwen2 or qwen3 configuration.
+
+    Construct it under ``torch.device("meta")`` to allocate nothing before loading weights.
+
+    Args:
+        config: The architecture.
+
+    Returns:
+        The model, with Hugging Face parameter names.
+    """
+    c = config
+    rope = RotaryEmbedding(c.head_dim, c.rope)
+    layers = []
+    for _ in range(c.num_hidden_layers):
+        attn = Attention(
+            q_proj=nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias),
+            k_proj=nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias),
+            v_proj=nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias),
+            o_proj=nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False),
+            rope=rope,
+            n_heads=c.num_attention_heads,
+            n_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            q_norm=RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None,
+            k_norm=RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None,
+        )
+        layers.append(
+            DecoderLayer(
+                attn,
+                SwiGLUMLP(c.hidden_size, c.intermediate_size),
+                RMSNorm(c.hidden_size, c.rms_norm_eps),
+                RMSNorm(c.hidden_size, c.rms_norm_eps),
+            )
+        )
+    decoder = DecoderModel(nn.Embedding(c.vocab_size, c.hidden_size), layers, RMSNorm(c.hidden_size, c.rms_norm_eps))
+    return CausalLM(c, decoder, nn.Linear(c.hidden_size, c.vocab_size, bias=False), rope)

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random-weight transformers models saved as checkpoints (the parity oracle)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def tiny_hf_config(kind: str):
+    """A tiny transformers config of each supported architecture, exercising its quirks."""
+    import transformers as tf
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  initializer_range=0.2)
+    if kind == "llama":  # llama3 rope scaling, untied embeddings
+        return tf.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0,
+                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if kind == "qwen2":  # q/k/v biases
+        return tf.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1e6)
+    if kind == "qwen3":  # q/k norms, tied embeddings, head_dim != hidden / heads
+        return tf.Qwen3Config(**common, head_dim=24, tie_word_embeddings=True, rope_theta=1e6)
+    if kind == "qwen3_yarn":
+        return tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True, rope_theta=1e6,
+                              rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 128})
+    raise ValueError(kind)
+
+
+def save_tiny_model(kind: str, directory: Path, seed: int = 0):
+    """Builds a random transformers model of ``kind``, saves it, returns the HF model (fp32, eval)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(tiny_hf_config(kind), attn_implementation="eager")
+    with torch.no_grad():  # make norms and biases non-trivial so parity checks them
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model = model.float().eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Maps kind -> (checkpoint dir, transformers model)."""
+    out = {}
+    for kind in ("llama", "qwen2", "qwen3"):
+        d = tmp_path_factory.mktemp(kind)
+        out[kind] = (d, save_tiny_model(kind, d))
+    return out
