@@ -1,0 +1,360 @@
+"""BeaconKV: score the cache with a few geometrically diverse past queries ("beacons").
+
+Recent-query policies assume the last queries predict future attention. In long reasoning, sparse
+*global* queries suddenly look far back; in pre-RoPE space they resemble each other and differ
+from the local queries around them. BeaconKV therefore keeps a small, diverse set of past
+pre-RoPE queries, chosen by farthest-point sampling, and asks at each eviction: "if such a query
+arrived *now*, where would it look?" (SPEC §4):
+
+1. Prefill: FPS of the prompt's pre-RoPE queries down to ``B_min^Q`` -> the observation set.
+2. Accumulate: each decode query joins the observation set; when it holds ``B_max^Q`` vectors it is
+   FPS-compressed back to ``B_min^Q`` (Continual FPS; bounded memory).
+3. Freeze: when the evictable count reaches ``budget - n_recent``, ``n_beacon`` beacons are FPS'd
+   from the observation set; the next ``n_recent`` queries are the recent set.
+4. Score (count = budget): beacons rotated to the *current* position ``t``, recent queries to
+   their *own* positions (causal), softmax over the cache, aggregated (max) over queries and the
+   GQA group.
+5. Select: prefix + last ``n_recent`` + top-k, in position order (the shared mechanism).
+6. Roll: the observation set becomes FPS(beacons ∪ recent, ``B_min^Q``); back to 2.
+
+Queries are stored per query head, pre-RoPE (after Qwen3's ``q_norm``), and re-rotated with the
+model's own rotary module. Pending decode queries live in the cache's query ring until the host
+folds them into the observation set, so the decode step itself stays a plain in-place write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..cache import LayerKVCache
+from .base import EvictionPolicy, PolicyConfigError
+from .samplers import ContinualFPS, QuerySampler
+from .scoring import attention_probs, reduce_group, reduce_queries, ring_queries
+
+_AGGREGATIONS = ("max", "mean", "logsumexp")
+
+
+@dataclass
+class QuerySet:
+    """A per-head set of stored pre-RoPE queries for the whole batch.
+
+    Attributes:
+        q: ``(batch, heads, S, head_dim)`` vectors.
+        pos: ``(batch, heads, S)`` their absolute positions (``-1`` empty).
+        valid: ``(batch, heads, S)`` which entries exist.
+    """
+
+    q: Tensor
+    pos: Tensor
+    valid: Tensor
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, size: int, head_dim: int, dtype: torch.dtype, device) -> "QuerySet":
+        """An all-empty set of ``size`` slots."""
+        return cls(
+            torch.zeros(batch, heads, size, head_dim, dtype=dtype, device=device),
+            torch.full((batch, heads, size), -1, dtype=torch.long, device=device),
+            torch.zeros(batch, heads, size, dtype=torch.bool, device=device),
+        )
+
+    def rows(self, rows: Tensor) -> "QuerySet":
+        """The sub-set of some sequences."""
+        return QuerySet(self.q[rows], self.pos[rows], self.valid[rows])
+
+    def assign(self, rows: Tensor, other: "QuerySet") -> None:
+        """Overwrites some sequences in place with ``other`` (same slot count)."""
+        self.q[rows], self.pos[rows], self.valid[rows] = other.q.to(self.q.dtype), other.pos, other.valid
+
+    @staticmethod
+    def cat(*sets: "QuerySet") -> "QuerySet":
+        """Concatenates along the slot axis."""
+        return QuerySet(*(torch.cat([getattr(s, f) for s in sets], dim=2) for f in ("q", "pos", "valid")))
+
+    def select(self, sampler: QuerySampler, k: int) -> "QuerySet":
+        """Keeps ``k`` entries per head chosen by ``sampler`` over the valid ones."""
+        idx, ok = sampler.select(self.q, k, self.valid)  # (b, heads, k)
+        q = torch.gather(self.q, 2, idx.unsqueeze(-1).expand(-1, -1, -1, self.q.shape[-1]))
+        pos = torch.where(ok, torch.gather(self.pos, 2, idx), -1)
+        return QuerySet(q, pos, ok & torch.gather(self.valid, 2, idx))
+
+
+def ring_set(cache: LayerKVCache, rows: Tensor, lo: Tensor, hi: Tensor) -> QuerySet:
+    """The cache ring's queries with positions in ``(lo, hi]`` as a :class:`QuerySet`."""
+    q, qpos, mask = ring_queries(cache, rows, lo, hi)
+    H = q.shape[1]
+    return QuerySet(q, qpos[:, None].expand(-1, H, -1), mask[:, None].expand(-1, H, -1))
+
+
+class BeaconKV(EvictionPolicy):
+    """BeaconKV eviction (paper algorithm 2, SPEC §4).
+
+    Args:
+        budget: ``B_max``: evictable tokens kept per sequence and KV head.
+        n_beacon: Beacons frozen per query head (``B_min^Q``).
+        n_recent: Recent queries scored at their own positions; also the recent tokens always kept.
+            The query buffer bound is ``B_max^Q = n_beacon + n_recent``.
+        aggregation: ``"max"`` (paper), ``"mean"`` or ``"logsumexp"`` (smooth max, beyond the paper)
+            over queries and the GQA group.
+        temperature: Temperature of ``logsumexp``.
+        sampler: Chooses beacons; :class:`~beaconkv.policies.samplers.ContinualFPS` (bounded buffer)
+            by default. Unbounded samplers (``NaiveFPS``, ``KMeans``) see the whole query history.
+        n_prefix: Protected leading tokens (None: the whole prompt).
+        ratio: ``B_min = floor(ratio * budget)``.
+        telemetry: Record kept positions and the beacon/recent positions of each eviction.
+
+    Example:
+        >>> policy = BeaconKV(budget=2048, n_beacon=16, n_recent=16, aggregation="max")
+        >>> # out = beaconkv.generate(model, tok, prompts, policy=policy)
+
+    The paper's ablations are one argument away: ``(n_beacon, n_recent)`` = (16, 16) default,
+    (1, 31), (28, 4), (0, 32) ≈ RPC-like.
+    """
+
+    name = "beacon"
+    #: Freeze the observation set after prefill (Initial+Recent).
+    static_beacons = False
+
+    def __init__(
+        self,
+        budget: int,
+        n_beacon: int = 16,
+        n_recent: int = 16,
+        aggregation: str = "max",
+        temperature: float = 0.1,
+        sampler: QuerySampler | None = None,
+        *,
+        n_prefix: int | None = None,
+        ratio: float = 7 / 8,
+        telemetry: bool = False,
+    ) -> None:
+        if budget is None:
+            raise PolicyConfigError("BeaconKV needs an int budget; use FullKV to keep everything.")
+        if n_beacon < 0:
+            raise PolicyConfigError(f"n_beacon={n_beacon} must be >= 0.")
+        if aggregation not in _AGGREGATIONS:
+            raise PolicyConfigError(f"aggregation={aggregation!r} is unknown; use one of {', '.join(_AGGREGATIONS)}.")
+        if temperature <= 0:
+            raise PolicyConfigError(f"temperature={temperature} must be > 0.")
+        if n_beacon + n_recent < 1:
+            raise PolicyConfigError("n_beacon + n_recent must be >= 1: nothing would observe the cache.")
+        super().__init__(budget, n_prefix=n_prefix, n_recent=n_recent, ratio=ratio, telemetry=telemetry)
+        self.n_beacon, self.aggregation, self.temperature = n_beacon, aggregation, temperature
+        self.sampler = sampler if sampler is not None else ContinualFPS()
+
+    @property
+    def q_min(self) -> int:
+        """``B_min^Q``: observation vectors kept after a compression (= ``n_beacon``)."""
+        return self.n_beacon
+
+    @property
+    def q_max(self) -> int:
+        """``B_max^Q = n_beacon + n_recent``: observation vectors that trigger a compression."""
+        return self.n_beacon + self.n_recent
+
+    @property
+    def query_window(self) -> int:
+        return max(self.q_max, self.n_recent, 1)
+
+    # ------------------------------------------------------------ per layer
+    def init_layer(self, layer: int, cache: LayerKVCache) -> None:
+        if layer == 0:
+            self.obs: list[QuerySet] = []
+            self.beacons: list[QuerySet] = []
+            self.history: list[list[QuerySet | None]] = []
+            B = cache.batch
+            self.phase = ["accumulate"] * B
+            self.obs_since = [0] * B
+            self.obs_count = [0] * B
+            self.recent_since = [0] * B
+        args = (cache.batch, cache.n_heads)
+        tail = (cache.head_dim, cache.k.dtype, cache.k.device)
+        self.obs.append(QuerySet.empty(*args, self.q_min, *tail))
+        self.beacons.append(QuerySet.empty(*args, self.n_beacon, *tail))
+        self.history.append([None] * cache.batch)
+
+    def observe_prefill(self, layer: int, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
+        B, H, L, _ = q_pre.shape
+        prompt = QuerySet(q_pre, positions[:, None].expand(B, H, L), valid[:, None].expand(B, H, L))
+        rows = torch.arange(B, device=q_pre.device)
+        if self.sampler.bounded:
+            self.obs[layer].assign(rows, prompt.select(self.sampler, self.q_min))
+        else:
+            for b in range(B):
+                n = int(valid[b].sum())
+                self.history[layer][b] = QuerySet(q_pre[b : b + 1, :, :n], prompt.pos[b : b + 1, :, :n],
+                                                  prompt.valid[b : b + 1, :, :n])
+
+    # ------------------------------------------------------------ schedule
+    def on_prefill_done(self) -> None:
+        B = len(self.count)
+        self.obs_count = [min(L, self.q_min) for L in self.prompt_lengths] if self.sampler.bounded else [0] * B
+        self.obs_since = list(self.t)
+        self.phase = ["accumulate"] * B
+        if self.static_beacons:
+            self._freeze(list(range(B)))
+            self.phase = ["static"] * B
+        else:
+            # a prompt may already be past the freeze point (int n_prefix): freeze before any eviction
+            self.after_count_change(list(range(B)))
+
+    def on_decode(self, rows: list[int]) -> None:
+        due = [b for b in rows if self.phase[b] == "accumulate"
+               and self.obs_count[b] + (self.t[b] - self.obs_since[b]) >= self.q_max]
+        if due:
+            self._compress(due)
+
+    def after_count_change(self, rows: list[int]) -> None:
+        due = [b for b in rows if self.phase[b] == "accumulate" and self.count[b] >= self.budget - self.n_recent]
+        if due:
+            self._freeze(due)
+
+    def evict(self, rows: list[int]) -> None:
+        unfrozen = [b for b in rows if self.phase[b] == "accumulate"]  # only when n_recent == 0
+        if unfrozen:
+            self._freeze(unfrozen)
+        super().evict(rows)
+
+    def after_evict(self, rows: list[int]) -> None:
+        if self.static_beacons:
+            return
+        self._roll(rows)
+
+    # ------------------------------------------------------------ set algebra
+    def _tensors(self, rows: list[int], values: list[int]) -> tuple[Tensor, Tensor]:
+        device = self.cache[0].pos.device
+        return torch.tensor(rows, device=device), torch.tensor([values[b] for b in rows], device=device)
+
+    def _pending(self, layer: int, rows_t: Tensor, rows: list[int]) -> QuerySet:
+        lo = torch.tensor([self.obs_since[b] for b in rows], device=rows_t.device)
+        hi = torch.tensor([self.t[b] for b in rows], device=rows_t.device)
+        return ring_set(self.cache[layer], rows_t, lo, hi)
+
+    def _observation(self, layer: int, rows_t: Tensor, rows: list[int]) -> QuerySet:
+        """The current observation set: stored (or the history) plus pending ring queries."""
+        pending = self._pending(layer, rows_t, rows)
+        if self.sampler.bounded:
+            return QuerySet.cat(self.obs[layer].rows(rows_t), pending)
+        return QuerySet.cat(self._history(layer, rows), pending)
+
+    def _history(self, layer: int, rows: list[int]) -> QuerySet:
+        """Pads the per-sequence histories of some rows to one set."""
+        hs = [self.history[layer][b] for b in rows]
+        n = max(h.q.shape[2] for h in hs)
+        padded = []
+        for h in hs:
+            pad = n - h.q.shape[2]
+            padded.append(QuerySet(
+                torch.nn.functional.pad(h.q, (0, 0, 0, pad)),
+                torch.nn.functional.pad(h.pos, (0, pad), value=-1),
+                torch.nn.functional.pad(h.valid, (0, pad), value=False),
+            ))
+        return QuerySet(*(torch.cat([getattr(p, f) for p in padded]) for f in ("q", "pos", "valid")))
+
+    def _append_history(self, layer: int, rows: list[int], extra: QuerySet) -> None:
+        for i, b in enumerate(rows):
+            keep = extra.valid[i, 0]
+            add = QuerySet(extra.q[i : i + 1, :, keep], extra.pos[i : i + 1, :, keep], extra.valid[i : i + 1, :, keep])
+            self.history[layer][b] = QuerySet.cat(self.history[layer][b], add)
+
+    def _compress(self, rows: list[int]) -> None:
+        """Step 2: fold pending queries into the observation set (FPS back to ``B_min^Q``)."""
+        rows_t = torch.tensor(rows, device=self.cache[0].pos.device)
+        for layer in range(len(self.cache)):
+            if self.sampler.bounded:
+                self.obs[layer].assign(rows_t, self._observation(layer, rows_t, rows).select(self.sampler, self.q_min))
+            else:
+                self._append_history(layer, rows, self._pending(layer, rows_t, rows))
+        for b in rows:
+            total = self.obs_count[b] + self.t[b] - self.obs_since[b]
+            self.obs_count[b] = min(total, self.q_min) if self.sampler.bounded else 0
+            self.obs_since[b] = self.t[b]
+
+    def _freeze(self, rows: list[int]) -> None:
+        """Step 3: beacons <- sample(observation set, n_beacon); later queries are recent."""
+        rows_t = torch.tensor(rows, device=self.cache[0].pos.device)
+        for layer in range(len(self.cache)):
+            self.beacons[layer].assign(rows_t, self._observation(layer, rows_t, rows).select(self.sampler, self.n_beacon))
+        for b in rows:
+            # past the freeze point already (prefill): the newest prompt queries count as recent
+            overshoot = self.count[b] - (self.budget - self.n_recent)
+            self.recent_since[b] = self.t[b] - min(max(overshoot, 0), self.n_recent)
+            if self.phase[b] != "static":
+                self.phase[b] = "frozen"
+
+    def _roll(self, rows: list[int]) -> None:
+        """Step 6: observation set <- FPS(beacons ∪ recent, ``B_min^Q``); beacon and recent sets cleared."""
+        rows_t = torch.tensor(rows, device=self.cache[0].pos.device)
+        for layer in range(len(self.cache)):
+            recent = self._recent(layer, rows_t, rows)
+            if self.sampler.bounded:
+                both = QuerySet.cat(self.beacons[layer].rows(rows_t), recent)
+                self.obs[layer].assign(rows_t, both.select(self.sampler, self.q_min))
+            else:
+                self._append_history(layer, rows, recent)
+            empty = QuerySet.empty(len(rows), self.cache[layer].n_heads, self.n_beacon, self.cache[layer].head_dim,
+                                   self.cache[layer].k.dtype, rows_t.device)
+            self.beacons[layer].assign(rows_t, empty)
+        for b in rows:
+            n_recent = self.t[b] - self.recent_since[b]
+            self.obs_count[b] = min(self.n_beacon + n_recent, self.q_min) if self.sampler.bounded else 0
+            self.obs_since[b] = self.t[b]
+            self.phase[b] = "accumulate"
+
+    def _recent(self, layer: int, rows_t: Tensor, rows: list[int]) -> QuerySet:
+        hi = torch.tensor([self.t[b] for b in rows], device=rows_t.device)
+        if self.static_beacons:
+            lo = hi - self.n_recent
+        else:
+            lo = torch.tensor([self.recent_since[b] for b in rows], device=rows_t.device)
+        return ring_set(self.cache[layer], rows_t, lo, hi)
+
+    # ------------------------------------------------------------ scoring
+    def observation_queries(self, layer: int, rows: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The rotated queries BeaconKV scores with at an eviction.
+
+        Returns:
+            ``(q_rot (b, heads, n, head_dim), q_mask (b, n), q_pos (b, n), source_pos (b, n))``: beacons
+            rotated to ``t`` first, then recent queries at their own positions; ``source_pos`` is the
+            position each query was originally produced at.
+        """
+        rows_l = rows.tolist()
+        beacons = self.beacons[layer].rows(rows)
+        recent = self._recent(layer, rows, rows_l)
+        nb = beacons.q.shape[2]
+        b_pos = t[:, None].expand(-1, nb)  # beacons look from the current step
+        q_rot = torch.cat([self.rope.rotate(beacons.q, b_pos), self.rope.rotate(recent.q, recent.pos[:, 0])], dim=2)
+        q_mask = torch.cat([beacons.valid[:, 0], recent.valid[:, 0]], dim=1)
+        q_pos = torch.cat([b_pos, recent.pos[:, 0]], dim=1)
+        source = torch.cat([beacons.pos[:, 0], recent.pos[:, 0]], dim=1)
+        return q_rot, q_mask, q_pos, source
+
+    def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+        q_rot, q_mask, q_pos, _ = self.observation_queries(layer, rows, t)
+        pos = cache.pos[rows]
+        w = attention_probs(q_rot, q_mask, cache.k[rows], pos >= 0, cache.head_dim**-0.5, q_pos, pos)
+        per_head = reduce_queries(w, q_mask, self.aggregation, self.temperature)  # (b, kv_heads, group, C)
+        return reduce_group(per_head, self.aggregation, self.temperature)
+
+    def observed_positions(self, layer: int, rows: Tensor, t: Tensor) -> Tensor:
+        _, q_mask, _, source = self.observation_queries(layer, rows, t)
+        return torch.where(q_mask, source, -1).cpu()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(budget={self.budget}, n_beacon={self.n_beacon}, n_recent={self.n_recent}, "
+            f"aggregation={self.aggregation!r}, sampler={self.sampler!r}, n_prefix={self.n_prefix})"
+        )
+
+
+class InitialRecent(BeaconKV):
+    """Initial+Recent (paper Table 3): BeaconKV whose beacons are FPS'd from the prompt once and never
+    updated, scored together with the last ``n_recent`` queries.
+
+    Same arguments as :class:`BeaconKV`.
+    """
+
+    name = "initial_recent"
+    static_beacons = True

@@ -1,0 +1,89 @@
+"""Drives a real cache + policy with random tensors, checking the cache invariants after every step."""
+
+from __future__ import annotations
+
+import torch
+
+from beaconkv.cache import KVCache
+from beaconkv.models.rope import RotaryEmbedding
+from beaconkv.policies.base import EvictionPolicy
+
+
+def drive(
+    policy: EvictionPolicy,
+    prompt_lengths: list[int],
+    steps: int,
+    n_kv: int = 2,
+    group: int = 2,
+    head_dim: int = 8,
+    n_layers: int = 2,
+    seed: int = 0,
+    on_step=None,
+) -> KVCache:
+    """Prefills random prompts, runs ``steps`` decode writes, asserts the invariants throughout.
+
+    Invariants checked after prefill and every step, for every layer, sequence and KV head:
+    the cache holds at most ``n_prefix + budget`` tokens; positions strictly increase; every kept
+    K/V vector is bit-identical to the one written at that position; after each eviction the cache
+    holds exactly ``n_prefix + B_min`` and the prefix and the last ``n_recent`` positions survive.
+    """
+    g = torch.Generator().manual_seed(seed)
+    B, H, D = len(prompt_lengths), n_kv * group, head_dim
+    cap = policy.capacity(prompt_lengths, steps)
+    cache = KVCache.allocate(n_layers, B, n_kv, H, cap, D, query_window=policy.query_window,
+                             track_attention=policy.track_attention)
+    policy.start(cache, RotaryEmbedding(D), prompt_lengths)
+    L = max(prompt_lengths)
+    valid = torch.arange(L)[None] < torch.tensor(prompt_lengths)[:, None]
+    positions = torch.arange(L).expand(B, L)
+    written = []  # per layer: (B, n_kv, max_pos, D) keys/values by absolute position
+    for layer in cache.layers:
+        k, v = torch.randn(B, n_kv, L, D, generator=g), torch.randn(B, n_kv, L, D, generator=g)
+        q = torch.randn(B, H, L, D, generator=g)
+        layer.write_prefill(k, v, q, positions, valid)
+        wk = torch.zeros(B, n_kv, L + steps, D)
+        wv = torch.zeros(B, n_kv, L + steps, D)
+        wk[:, :, :L], wv[:, :, :L] = k, v
+        written.append((wk, wv))
+    policy.after_prefill()
+    check(policy, cache, written, evicted=[e > 0 for e in policy.stats.evictions])
+    for s in range(steps):
+        before = list(policy.stats.evictions)
+        pos = torch.tensor(prompt_lengths) + s
+        for i, layer in enumerate(cache.layers):
+            k, v = torch.randn(B, n_kv, 1, D, generator=g), torch.randn(B, n_kv, 1, D, generator=g)
+            layer.append(k, v, torch.randn(B, H, 1, D, generator=g), pos)
+            if layer.track_attention:
+                logits = torch.randn(B, n_kv, group, cap, generator=g).masked_fill(~(layer.pos >= 0)[:, :, None], -1e9)
+                layer.record_attention(logits.softmax(-1))
+            wk, wv = written[i]
+            wk[torch.arange(B), :, pos] = k[:, :, 0]
+            wv[torch.arange(B), :, pos] = v[:, :, 0]
+        policy.after_decode_step()
+        check(policy, cache, written, evicted=[a != b for a, b in zip(policy.stats.evictions, before)])
+        if on_step is not None:
+            on_step(s)
+    return cache
+
+
+def check(policy: EvictionPolicy, cache: KVCache, written, evicted: list[bool]) -> None:
+    """Asserts the cache invariants (see :func:`drive`)."""
+    for i, layer in enumerate(cache.layers):
+        wk, wv = written[i]
+        for b in range(layer.batch):
+            n = int(layer.length[b])
+            prefix = policy.prefix[b]
+            if policy.budget is not None:
+                assert n <= prefix + policy.budget, f"layer {i} seq {b}: {n} > {prefix}+{policy.budget}"
+            t = policy.t[b]
+            for h in range(layer.n_kv_heads):
+                pos = layer.pos[b, h]
+                kept = pos[:n]
+                assert (kept >= 0).all() and (pos[n:] == -1).all()
+                assert (kept[1:] > kept[:-1]).all(), "positions must strictly increase"
+                assert torch.equal(layer.k[b, h, :n], wk[b, h, kept]), "kept keys must be bit-identical"
+                assert torch.equal(layer.v[b, h, :n], wv[b, h, kept]), "kept values must be bit-identical"
+                if evicted[b]:
+                    assert n == prefix + policy.b_min, f"after eviction {n} != {prefix}+{policy.b_min}"
+                    must = set(range(prefix)) | set(range(max(t - policy.n_recent + 1, 0), t + 1))
+                    assert must <= set(kept.tolist()), "prefix and recent tokens must survive"
