@@ -317,6 +317,9 @@ class KMeans(QuerySampler):
         """
         b, n, d = unit.shape
         generator = torch.Generator(device=unit.device).manual_seed(self.seed)
+        # one uniform per seeding round, shared by all rows: a row's selection depends only on its
+        # own points and the seed, never on the other rows of the batch
+        uniforms = torch.rand(k, generator=generator, device=unit.device)
         taken = torch.zeros_like(mask)
         nearest = torch.full((b, n), -math.inf, device=unit.device)  # max cos to the seeds
         seeds: list[Tensor] = []
@@ -330,7 +333,8 @@ class KMeans(QuerySampler):
             for fallback in (candidate, ~taken, torch.ones_like(mask)):
                 empty = weight.sum(dim=-1, keepdim=True) <= 0
                 weight = torch.where(empty, fallback.to(weight.dtype), weight)
-            pick = torch.multinomial(weight, 1, generator=generator).squeeze(1)  # (B,)
+            cdf = weight.cumsum(dim=-1)  # inverse-CDF draw with this round's uniform
+            pick = torch.searchsorted(cdf, uniforms[len(seeds)] * cdf[:, -1:], right=True).squeeze(1).clamp(max=n - 1)
             seed_valid.append(candidate.gather(1, pick[:, None]).squeeze(1))
             taken = taken.scatter(1, pick[:, None], True)
             chosen = unit.gather(1, pick[:, None, None].expand(b, 1, d))  # (B, 1, D)

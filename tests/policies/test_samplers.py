@@ -367,3 +367,11 @@ def test_make_sampler_rejects_unknown_names(name):
     assert repr(name) in str(error.value)
     assert all(choice in str(error.value) for choice in SAMPLER_NAMES)
 
+
+
+def test_kmeans_selection_of_a_row_does_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(3)
+    pts = torch.randn(5, 3, 20, 8, generator=g)
+    together, _ = KMeans().select(pts, 4)
+    alone = torch.stack([KMeans().select(pts[i], 4)[0] for i in range(5)])
+    assert torch.equal(together, alone)
