@@ -24,7 +24,7 @@ _TOOLS = {
                 "thought-revisiting analysis of a trace (plots + summary)"),
     "bench": ("beaconkv.measure.speed", "add_bench_arguments", "run_bench",
               "decode speed, bandwidth and memory benchmark"),
-    "eval": ("beaconkv.eval.runner", "add_eval_arguments", "run_eval_from_args",
+    "eval": ("beaconkv.eval.cli", "add_eval_arguments", "run_eval_from_args",
              "reasoning benchmarks (AIME24, MATH-500, GPQA, LiveCodeBench): pass@1 per policy and budget"),
 }
 

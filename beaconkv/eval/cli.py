@@ -1,0 +1,211 @@
+"""Command line of the evaluation, shared by ``beaconkv eval``, ``python -m beaconkv.eval`` and torchrun.
+
+``torchrun --nproc-per-node N -m beaconkv.eval ...`` shards the run over N processes.
+
+:func:`add_eval_arguments` fills any ``argparse`` parser (the ``beaconkv`` CLI mounts it as the
+``eval`` subcommand); :func:`run_eval_from_args` turns the parsed namespace into an
+:class:`~beaconkv.eval.runner.EvalConfig`, runs it and prints the summary table on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from beaconkv.eval.datasets import BENCHMARKS
+from beaconkv.eval.errors import EvalError
+from beaconkv.eval.runner import EvalConfig, EvalReport, run_eval
+
+__all__ = ["add_eval_arguments", "config_from_args", "run_eval_from_args"]
+
+_EPILOG = """\
+examples:
+  beaconkv eval --model deepseek-ai/DeepSeek-R1-Distill-Qwen-7B --benchmark aime24 \\
+      --policy beacon --budget 1024 --samples 8 --max-new-tokens 32768 --out results/
+  torchrun --nproc-per-node 8 -m beaconkv.eval --model ... --benchmark math500 --out results/
+  python -m beaconkv.eval --model embedded --benchmark aime24 \\
+      --data ../shared/data/aime24.jsonl --limit 2 --max-new-tokens 64 --policy full
+
+Re-running the same command skips finished samples; results go to
+<out>/<benchmark>__<policy>__b<budget>.jsonl and the table to <out>/summary.md.
+"""
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    if not key:
+        raise argparse.ArgumentTypeError(f"empty key in {text!r}")
+    return key, value
+
+
+def _json_or_str(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the evaluation's options to ``parser``.
+
+    Args:
+        parser: A parser (or subparser).
+
+    Returns:
+        The same parser.
+    """
+    parser.epilog = _EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    names = ", ".join(f"{n} ({s.description})" for n, s in BENCHMARKS.items())
+    data = parser.add_argument_group("model and data")
+    data.add_argument("--model", required=True, help="checkpoint folder, hub model id, or 'embedded'")
+    data.add_argument("--benchmark", required=True, help=f"one of: {names}")
+    data.add_argument(
+        "--data", help="local .jsonl/.json/.csv/.parquet file; default: the benchmark's hub file"
+    )
+    data.add_argument("--hub-repo", help="hub dataset repository overriding the default")
+    data.add_argument("--hub-file", help="file in the hub repository overriding the default")
+    data.add_argument("--hub-revision", help="branch, tag or commit of the hub repository")
+    data.add_argument(
+        "--field",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="ROLE=COLUMN",
+        help="map a role (id, question, answer, solution, choices, starter_code, public_tests, "
+        "private_tests, metadata) to a column; choices take CORRECT,WRONG1,...",
+    )
+    data.add_argument("--limit", type=int, help="only the first N problems")
+
+    policy = parser.add_argument_group("KV cache policy")
+    policy.add_argument(
+        "--policy",
+        default="beacon",
+        help="full, beacon, snapkv, rpc, rkv, h2o, streaming, initial_recent (default: beacon)",
+    )
+    policy.add_argument("--budget", type=int, default=1024, help="KV budget (default: 1024)")
+    policy.add_argument(
+        "--policy-arg",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra policy argument (VALUE parsed as JSON, else a string), e.g. aggregation=mean",
+    )
+    policy.add_argument("--tag", help="label of a policy variant in file names and the table")
+
+    gen = parser.add_argument_group("sampling (defaults: the paper's)")
+    gen.add_argument(
+        "--samples", type=int, help="samples per problem (default: 8 for AIME24, 4 for others)"
+    )
+    gen.add_argument("--max-new-tokens", type=int, default=32768)
+    gen.add_argument("--temperature", type=float, default=0.6)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="base seed of the per-sample seeds")
+    gen.add_argument(
+        "--batch-size", type=int, default=1, help="samples of one problem generated together"
+    )
+    gen.add_argument(
+        "--enable-thinking",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="chat template switch (Qwen3); auto leaves the template's default",
+    )
+
+    run = parser.add_argument_group("run")
+    run.add_argument("--out", default="results", help="results folder (default: results)")
+    run.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    run.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    run.add_argument("--save-token-ids", action="store_true", help="store generated token ids")
+    run.add_argument("--code-timeout", type=float, default=6.0, help="seconds per code test")
+    run.add_argument("--code-memory-mb", type=int, default=1024, help="memory per code test")
+    run.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    run.add_argument(
+        "--dist-timeout-min",
+        type=float,
+        default=24 * 60,
+        help="timeout of the final barrier between ranks, minutes (default: 1440)",
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    """Build the run's configuration from parsed arguments.
+
+    Args:
+        args: Namespace from a parser filled by :func:`add_eval_arguments`.
+
+    Returns:
+        The :class:`EvalConfig`.
+    """
+    field_map: dict[str, str | list[str]] = {}
+    for role, column in args.field:
+        field_map[role] = column.split(",") if role == "choices" else column
+    return EvalConfig(
+        model=args.model,
+        benchmark=args.benchmark,
+        data=args.data,
+        hub_repo=args.hub_repo,
+        hub_file=args.hub_file,
+        hub_revision=args.hub_revision,
+        field_map=field_map,
+        limit=args.limit,
+        policy=args.policy,
+        budget=args.budget,
+        policy_kwargs={k: _json_or_str(v) for k, v in args.policy_arg},
+        tag=args.tag,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        out_dir=args.out,
+        dtype=args.dtype,
+        device=args.device,
+        enable_thinking={"auto": None, "true": True, "false": False}[args.enable_thinking],
+        save_token_ids=args.save_token_ids,
+        code_timeout_s=args.code_timeout,
+        code_memory_mb=args.code_memory_mb,
+        progress=not args.no_progress,
+        dist_timeout_min=args.dist_timeout_min,
+    )
+
+
+def run_eval_from_args(args: argparse.Namespace) -> int:
+    """Run the evaluation described by parsed arguments and print the summary (rank 0).
+
+    Args:
+        args: Namespace from a parser filled by :func:`add_eval_arguments`.
+
+    Returns:
+        The process exit status: 0, or 2 after a usage or data error (printed as one line).
+    """
+    from beaconkv.policies import PolicyConfigError
+
+    try:
+        config = config_from_args(args)
+        report: EvalReport = run_eval(config)
+    except (EvalError, PolicyConfigError, FileNotFoundError) as exc:
+        print(f"beaconkv eval: error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # EvalConfig's checks of the numbers
+        if "config" in locals():
+            raise
+        print(f"beaconkv eval: error: {exc}", file=sys.stderr)
+        return 2
+    if report.rank == 0:
+        who = "" if report.world_size == 1 else f"rank 0 of {report.world_size}: "
+        print(
+            f"{who}{report.generated} samples generated, {report.skipped} already done; "
+            f"results: {report.results_file}",
+            file=sys.stderr,
+        )
+        print(report.table)
+    return 0

@@ -1,0 +1,137 @@
+"""End to end with the embedded model: 2 AIME24 problems x 2 samples x 8 new tokens.
+
+One single-process run (in this process, one thread) is the reference; it is resumed after losing
+records, and the same command split over 2 processes (gloo, torchrun-style environment) must merge
+to the same records — token ids included — because every sample has its own seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from beaconkv.eval.runner import EvalConfig, load_backend, run_eval
+
+REPO = Path(__file__).resolve().parents[2]
+# n_prefix=4 makes the prompt evictable, so even 8 new tokens exercise an eviction.
+POLICY, BUDGET, POLICY_KWARGS = "beacon", 128, {"n_prefix": 4}
+ARGS = dict(
+    benchmark="aime24", limit=2, samples=2, max_new_tokens=8, policy=POLICY, budget=BUDGET,
+    policy_kwargs=POLICY_KWARGS, save_token_ids=True,
+)  # fmt: skip
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def comparable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, shared_data):
+    """The reference: one process, one thread, in this interpreter."""
+    out = tmp_path_factory.mktemp("single")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the distributed ranks below run with OMP_NUM_THREADS=1
+    try:
+        backend = load_backend("embedded", device="cpu", dtype=torch.float32)
+        cfg = EvalConfig(model="embedded", data=shared_data / "aime24.jsonl", out_dir=out, progress=False, **ARGS)
+        report = run_eval(cfg, backend=backend)
+    finally:
+        torch.set_num_threads(threads)
+    return cfg, backend, report
+
+
+@pytest.mark.slow
+def test_end_to_end_records(single_run) -> None:
+    _, _, report = single_run
+    records = read(report.results_file)
+    assert [(r["problem_id"], r["sample_idx"]) for r in records] == [("60", 0), ("60", 1), ("61", 0), ("61", 1)]
+    for r in records:
+        assert 1 <= r["new_tokens"] <= 8 and len(r["token_ids"]) == r["new_tokens"]
+        assert r["finish_reason"] in ("stop", "length")
+        assert r["correct"] is False  # 8 tokens are not enough to answer an AIME problem
+        assert r["peak_cache_tokens"] >= r["prompt_tokens"] > 100
+        assert r["seconds"] > 0 and r["evictions"] >= 1
+        assert (r["policy"], r["budget"]) == (POLICY, BUDGET)
+        assert r["reference"] in ("204", "113")
+    assert records[0]["seed"] != records[1]["seed"]
+    (row,) = report.rows
+    assert (row.benchmark, row.policy, row.budget, row.samples, row.pass_at_1) == ("aime24", "beacon", 128, 4, 0.0)
+
+
+@pytest.mark.slow
+def test_resume_regenerates_only_missing_samples_identically(single_run, tmp_path) -> None:
+    cfg, backend, report = single_run
+    out = tmp_path / "resume"
+    out.mkdir()
+    merged = out / report.results_file.name
+    records = read(report.results_file)
+    merged.write_text("".join(json.dumps(r) + "\n" for r in records[::2]))  # lose samples 1 and 3
+    cfg_here = EvalConfig(**{**cfg.__dict__, "out_dir": out})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        resumed = run_eval(cfg_here, backend=backend)
+    finally:
+        torch.set_num_threads(threads)
+    assert (resumed.generated, resumed.skipped) == (2, 2)
+    assert comparable(read(merged)) == comparable(records)
+    again = run_eval(cfg_here, backend=backend)
+    assert again.generated == 0 and comparable(read(merged)) == comparable(records)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_merge_to_the_single_process_results(single_run, shared_data, tmp_path) -> None:
+    _, _, report = single_run
+    out = tmp_path / "dist"
+    cmd = [
+        sys.executable, "-m", "beaconkv.eval", "--model", "embedded", "--benchmark", "aime24",
+        "--data", str(shared_data / "aime24.jsonl"), "--limit", "2", "--samples", "2",
+        "--max-new-tokens", "8", "--policy", POLICY, "--out", str(out), "--save-token-ids",
+        "--no-progress", "--dist-timeout-min", "5",
+    ]  # fmt: skip
+    cmd += ["--budget", str(BUDGET)] + [f"--policy-arg={k}={v}" for k, v in POLICY_KWARGS.items()]
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+        }  # fmt: skip
+        procs.append(
+            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    outputs = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        outputs.append((proc.returncode, stdout, stderr))
+    for rank, (code, _, stderr) in enumerate(outputs):
+        assert code == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
+    assert "| aime24 |" in outputs[0][1]  # rank 0 prints the table
+    merged = out / report.results_file.name
+    assert sorted(p.name for p in out.iterdir()) == sorted([merged.name, "summary.md", "summary.json"])
+    assert comparable(read(merged)) == comparable(read(report.results_file))
+    shutil.rmtree(out)

@@ -1,0 +1,224 @@
+"""The evaluation loop with a fake generate function: records, resume, sharding + merge, summary, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from beaconkv.eval import runner
+from beaconkv.eval.cli import add_eval_arguments, config_from_args, run_eval_from_args
+from beaconkv.eval.datasets import Problem
+from beaconkv.eval.distributed import DistContext
+from beaconkv.eval.errors import ResultsConflictError
+from beaconkv.eval.runner import EvalConfig, GenerationBackend, plan_units, run_eval
+from beaconkv.eval.summary import summarize
+
+PROBLEMS = [
+    Problem("aime24", "60", "P60", answer="204"),
+    Problem("aime24", "61", "P61", answer="113"),
+    Problem("aime24", "9", "P9", answer="7"),
+]
+
+
+@dataclass
+class FakeStats:
+    prompt_tokens: list[int]
+    new_tokens: list[int]
+    cache_capacity: int
+    evictions: list[int]
+    peak_cache_tokens: int
+    wall_time_s: float
+
+
+@dataclass
+class FakeOutput:
+    token_ids: list[list[int]]
+    texts: list[str]
+    finish_reasons: list[str]
+    stats: FakeStats
+
+
+class FakeGenerate:
+    """Output depends only on (prompt, seed, row): right answer when the seed is even."""
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.calls: list[dict] = []
+        self.fail_after = fail_after
+
+    def __call__(self, prompts, *, max_new_tokens, temperature, top_p, top_k, seed, policy):
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise KeyboardInterrupt("simulated crash")
+        self.calls.append({"n": len(prompts), "seed": seed, "policy": policy})
+        golds = {"P60": "204", "P61": "113", "P9": "7"}
+        gold = next((v for k, v in golds.items() if f"{k}\n" in prompts[0]), "204")
+        texts, ids = [], []
+        for row in range(len(prompts)):
+            answer = gold if (seed + row) % 2 == 0 else "0"
+            texts.append(f"thinking {seed % 1000} \\boxed{{{answer}}}")
+            ids.append([(seed + row + k) % 50000 for k in range(max_new_tokens)])
+        n = len(prompts)
+        stats = FakeStats([12] * n, [max_new_tokens] * n, 64, [1] * n, 40, 0.01)
+        return FakeOutput(ids, texts, ["length"] * n, stats)
+
+
+class Tok:
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        return f"<user>{messages[0]['content']}</user><assistant>"
+
+
+def config(out: Path, **kw) -> EvalConfig:
+    base = dict(
+        model="fake", benchmark="aime24", policy="full", samples=3, max_new_tokens=4,
+        out_dir=out, progress=False, save_token_ids=True,
+    )  # fmt: skip
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def strip_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+
+
+def test_plan_units_do_not_depend_on_ranks() -> None:
+    units = plan_units(PROBLEMS, samples=5, batch_size=2)
+    assert [(u.problem.id, u.start, u.stop) for u in units[:3]] == [("60", 0, 2), ("60", 2, 4), ("60", 4, 5)]
+    assert len(units) == 9
+
+
+def test_records_and_summary(tmp_path: Path) -> None:
+    gen = FakeGenerate()
+    report = run_eval(config(tmp_path), backend=GenerationBackend(Tok(), gen), problems=PROBLEMS)
+    records = read(report.results_file)
+    assert report.results_file.name == "aime24__full.jsonl"
+    assert [(r["problem_id"], r["sample_idx"]) for r in records] == [
+        (pid, i) for pid in ("9", "60", "61") for i in range(3)
+    ]  # sorted by problem id numerically
+    first = records[0]
+    for field in ("answer", "correct", "new_tokens", "peak_cache_tokens", "evictions", "seconds", "seed", "text"):
+        assert field in first
+    assert first["budget"] is None and first["finish_reason"] == "length" and len(first["token_ids"]) == 4
+    assert len(gen.calls) == 9 and {c["n"] for c in gen.calls} == {1}
+    assert all(c["policy"] is None for c in gen.calls)
+    expected = 100 * sum(r["correct"] for r in records) / 9
+    (row,) = report.rows
+    assert row.pass_at_1 == pytest.approx(expected)
+    assert (row.problems, row.samples, row.truncated) == (3, 9, 1.0)
+    assert "| aime24 | full | - | 3 | 9 |" in report.table
+    assert (tmp_path / "summary.md").read_text().strip() == report.table
+    assert json.loads((tmp_path / "summary.json").read_text())[0]["samples"] == 9
+
+
+def test_resume_after_a_crash_skips_finished_samples(tmp_path: Path) -> None:
+    full = run_eval(config(tmp_path / "a"), backend=GenerationBackend(Tok(), FakeGenerate()), problems=PROBLEMS)
+    crashing = FakeGenerate(fail_after=4)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(config(tmp_path / "b"), backend=GenerationBackend(Tok(), crashing), problems=PROBLEMS)
+    assert len(read(tmp_path / "b" / "aime24__full.rank0.jsonl")) == 4
+    resumed_gen = FakeGenerate()
+    report = run_eval(config(tmp_path / "b"), backend=GenerationBackend(Tok(), resumed_gen), problems=PROBLEMS)
+    assert (report.generated, report.skipped) == (5, 4) and len(resumed_gen.calls) == 5
+    assert not (tmp_path / "b" / "aime24__full.rank0.jsonl").exists()
+    assert strip_timing(read(report.results_file)) == strip_timing(read(full.results_file))
+    again = FakeGenerate()
+    report = run_eval(config(tmp_path / "b"), backend=GenerationBackend(Tok(), again), problems=PROBLEMS)
+    assert (report.generated, report.skipped, len(again.calls)) == (0, 9, 0)
+
+
+def test_finished_run_does_not_load_the_model(tmp_path: Path, monkeypatch) -> None:
+    run_eval(config(tmp_path), backend=GenerationBackend(Tok(), FakeGenerate()), problems=PROBLEMS)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("model loaded although every sample is done")
+
+    monkeypatch.setattr(runner, "load_backend", no_load)
+    assert run_eval(config(tmp_path), problems=PROBLEMS).generated == 0
+
+
+def test_other_settings_are_refused(tmp_path: Path) -> None:
+    backend = GenerationBackend(Tok(), FakeGenerate())
+    run_eval(config(tmp_path), backend=backend, problems=PROBLEMS[:1])
+    with pytest.raises(ResultsConflictError, match="temperature"):
+        run_eval(config(tmp_path, temperature=1.0), backend=backend, problems=PROBLEMS[:1])
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_sharded_run_equals_single_run(tmp_path: Path, monkeypatch, batch_size: int) -> None:
+    single = run_eval(
+        config(tmp_path / "single", batch_size=batch_size),
+        backend=GenerationBackend(Tok(), FakeGenerate()),
+        problems=PROBLEMS,
+    )
+    monkeypatch.setattr(runner, "barrier", lambda ctx: None)
+    seen_calls = []
+    for rank in (1, 0):  # rank 1 finishes first; rank 0 merges
+        monkeypatch.setattr(runner, "init_distributed", lambda device, timeout_min, r=rank: DistContext(r, 2))
+        gen = FakeGenerate()
+        report = run_eval(
+            config(tmp_path / "sharded", batch_size=batch_size),
+            backend=GenerationBackend(Tok(), gen),
+            problems=PROBLEMS,
+        )
+        seen_calls.append(len(gen.calls))
+    assert sum(seen_calls) == len(plan_units(PROBLEMS, 3, batch_size))
+    assert report.rank == 0 and report.rows
+    assert list((tmp_path / "sharded").glob("*.rank*.jsonl")) == []
+    assert strip_timing(read(report.results_file)) == strip_timing(read(single.results_file))
+
+
+def test_policy_and_tag_name_the_results_file(tmp_path: Path, monkeypatch) -> None:
+    made = []
+
+    def fake_make_policy(name, budget, **kwargs):
+        made.append((name, budget, kwargs))
+        return object()
+
+    monkeypatch.setattr("beaconkv.policies.make_policy", fake_make_policy)
+    cfg = config(tmp_path, policy="beacon", budget=256, tag="mean", policy_kwargs={"aggregation": "mean"})
+    report = run_eval(cfg, backend=GenerationBackend(Tok(), FakeGenerate()), problems=PROBLEMS[:1])
+    assert report.results_file.name == "aime24__beacon-mean__b256.jsonl"
+    assert made[0] == ("beacon", 256, {"aggregation": "mean"}) and len(made) == 1 + 3
+    assert read(report.results_file)[0]["budget"] == 256
+
+
+def test_summary_pass_at_1_is_the_mean_over_problems() -> None:
+    recs = [
+        {"benchmark": "b", "policy": "p", "budget": 1, "problem_id": "1", "correct": c, "new_tokens": 1,
+         "peak_cache_tokens": 1, "evictions": 0, "finish_reason": "stop", "seconds": 1.0}
+        for c in (True, False)
+    ] + [
+        {"benchmark": "b", "policy": "p", "budget": 1, "problem_id": "2", "correct": True, "new_tokens": 1,
+         "peak_cache_tokens": 1, "evictions": 0, "finish_reason": "stop", "seconds": 1.0}
+    ]  # fmt: skip
+    (row,) = summarize(recs)
+    assert row.pass_at_1 == pytest.approx(75.0)
+
+
+def test_cli_arguments_build_the_config(tmp_path: Path, monkeypatch, shared_data: Path, capsys) -> None:
+    parser = add_eval_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(
+        [
+            "--model", "fake", "--benchmark", "aime24", "--data", str(shared_data / "aime24.jsonl"),
+            "--policy", "full", "--samples", "2", "--max-new-tokens", "3", "--limit", "2",
+            "--out", str(tmp_path), "--policy-arg", "n_beacon=8", "--policy-arg", "aggregation=max",
+            "--field", "choices=A,B", "--no-progress",
+        ]
+    )  # fmt: skip
+    cfg = config_from_args(args)
+    assert (cfg.temperature, cfg.top_p, cfg.samples, cfg.limit) == (0.6, 0.95, 2, 2)
+    assert cfg.policy_kwargs == {"n_beacon": 8, "aggregation": "max"}
+    assert cfg.field_map == {"choices": ["A", "B"]}
+    args.policy_arg = []
+    args.field = []
+    monkeypatch.setattr(runner, "load_backend", lambda *a, **k: GenerationBackend(Tok(), FakeGenerate()))
+    assert run_eval_from_args(args) == 0
+    out = capsys.readouterr().out
+    assert "| aime24 | full | - | 2 | 4 |" in out
+    assert len(read(tmp_path / "aime24__full.jsonl")) == 4
