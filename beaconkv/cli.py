@@ -57,6 +57,7 @@ def _generation_arguments(p: argparse.ArgumentParser, default_tokens: int) -> No
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     _policy_arguments(p)
 
 
@@ -78,6 +79,7 @@ def _run_generation(args: argparse.Namespace, prompts: list[str]) -> int:
     out = beaconkv.generate(
         model, tok, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, policy=policy, chat=not args.raw, stream=stream,
+        eos_token_ids=[] if args.ignore_eos else None,
     )
     if single:
         print()
@@ -89,7 +91,8 @@ def _run_generation(args: argparse.Namespace, prompts: list[str]) -> int:
         f"\n[{policy!r}] prompt tokens {s.prompt_tokens}, new tokens {s.new_tokens}, finish {out.finish_reasons}\n"
         f"cache capacity {s.cache_capacity} slots ({s.cache_bytes / 2**20:.1f} MiB), peak {s.peak_cache_tokens} tokens, "
         f"evictions {s.evictions}\n"
-        f"prefill {s.prefill_s:.2f}s, total {s.wall_time_s:.2f}s, decode {s.tokens_per_s:.1f} tokens/s",
+        f"prefill {s.prefill_s:.2f}s, total {s.wall_time_s:.2f}s, decode {s.tokens_per_s:.1f} tokens/s, "
+        f"eviction {s.eviction_s:.2f}s ({100 * s.eviction_s / s.wall_time_s:.1f}% of the total)",
         file=sys.stderr if not getattr(args, "stats_to_stdout", False) else sys.stdout,
     )
     return 0
