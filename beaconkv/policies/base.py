@@ -239,7 +239,7 @@ class EvictionPolicy:
     def after_prefill(self) -> None:
         """Host-side bookkeeping after the prompt was written; evicts over-budget sequences."""
         self.on_prefill_done()
-        self._evict_due()
+        self.evict_due()
         self.after_count_change(list(range(len(self.count))))
 
     def after_decode_step(self) -> None:
@@ -250,10 +250,11 @@ class EvictionPolicy:
         self.peak_tokens = max(self.peak_tokens, max(p + c for p, c in zip(self.prefix, self.count)))
         rows = list(range(len(self.count)))
         self.on_decode(rows)
-        self._evict_due()
+        self.evict_due()
         self.after_count_change(rows)
 
-    def _evict_due(self) -> None:
+    def evict_due(self) -> None:
+        """Evicts every sequence whose evictable count reached ``budget`` (override for another cadence)."""
         if self.budget is None:
             return
         due = [b for b, c in enumerate(self.count) if c >= self.budget]
@@ -261,14 +262,15 @@ class EvictionPolicy:
             self.evict(due)
 
     def evict(self, rows: list[int]) -> None:
-        """Scores and compacts the given sequences in every layer, down to ``n_prefix + B_min``."""
-        assert self.cache is not None and self.b_min is not None
+        """Scores and compacts the given sequences in every layer, down to ``n_prefix + keep_count`` (``B_min``)."""
+        assert self.cache is not None
         t0 = time.perf_counter()
         device = self.cache[0].pos.device
         rows_t = torch.tensor(rows, device=device)
         t = torch.tensor([self.t[b] for b in rows], device=device)
         n_prefix = torch.tensor([self.prefix[b] for b in rows], device=device)
-        keep_total = n_prefix + self.b_min
+        kept_counts = self.keep_count(rows)
+        keep_total = n_prefix + torch.tensor(kept_counts, device=device)
         for i, layer in enumerate(self.cache.layers):
             scores = self.score(i, layer, rows_t, t)
             keep, keep_valid = select_keep(scores, layer.pos[rows_t], n_prefix, t, self.n_recent, keep_total)
@@ -278,11 +280,20 @@ class EvictionPolicy:
                     EvictionRecord(self.step, i, list(rows), kept.cpu(), self.observed_positions(i, rows_t, t))
                 )
             layer.compact(rows_t, keep, keep_valid)
-        for b in rows:
-            self.count[b] = self.b_min
+        for b, kept_count in zip(rows, kept_counts):
+            self.count[b] = kept_count
             self.stats.evictions[b] += 1
         self.after_evict(rows)
         self.stats.eviction_seconds += time.perf_counter() - t0
+
+    def keep_count(self, rows: list[int]) -> list[int]:
+        """Evictable tokens each of the given sequences keeps at this eviction. Default: ``B_min``.
+
+        Policies with another cadence (RPC's and R-KV's original schedules) override this together
+        with :meth:`evict_due` and :meth:`capacity`.
+        """
+        assert self.b_min is not None
+        return [self.b_min] * len(rows)
 
     # ------------------------------------------------------------------ hooks
     def init_layer(self, layer: int, cache: LayerKVCache) -> None:

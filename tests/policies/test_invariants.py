@@ -12,7 +12,7 @@ from beaconkv.policies.beacon import BeaconKV
 
 from .driver import drive
 
-POLICIES = ["beacon", "initial_recent"]  # BASELINES_PENDING
+POLICIES = ["beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming"]
 
 cases = st.fixed_dictionaries({
     "extra": st.integers(0, 40),

@@ -1,0 +1,179 @@
+"""R-KV: importance from the last few queries minus redundancy among the cached keys.
+
+Follows the reference code (Zefan-Cai/R-KV, ``rkv/utils.py`` and ``rkv/compression/r1_kv.py``) on
+the project's cache layout: per sequence and KV head, slots in position order, some empty.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..cache import LayerKVCache
+from .base import EvictionPolicy, PolicyConfigError
+from .scoring import check_window_kernel, last_queries, pool_slots
+
+CADENCES = ("budget", "rkv")
+
+
+def key_redundancy(keys: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """R-KV's redundancy of every key among the keys of ``mask``, per (sequence, KV head).
+
+    ``S = cos(k_i, k_j)`` with a zero diagonal; for every key ``i``, the entry of its most recent
+    (highest slot) neighbour with ``S > threshold`` is zeroed, so the newest copy of a repeated key is
+    spared; ``redundancy[j] = softmax_j(mean_i S[i, j])`` over the masked keys. Like the reference,
+    similarities below the threshold are kept in the mean: the threshold only picks the spared
+    neighbour. Memory: one float32 and one int32 ``C x C`` matrix per (sequence, KV head).
+
+    Args:
+        keys: ``(b, kv_heads, C, head_dim)`` keys in position order.
+        mask: ``(b, kv_heads, C)`` keys taking part.
+        threshold: Cosine similarity above which two keys count as similar.
+
+    Returns:
+        ``(b, kv_heads, C)`` float32, a distribution over the masked keys (0 elsewhere).
+    """
+    k = keys.float()
+    unit = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = unit @ unit.transpose(-1, -2)  # (b, kv_heads, C, C), rows i, columns j
+    sim.masked_fill_(~mask[..., None, :], 0.0).masked_fill_(~mask[..., :, None], 0.0)
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    slots = torch.arange(sim.shape[-1], dtype=torch.int32, device=sim.device)
+    newest = torch.where(sim > threshold, slots, -1).amax(-1, keepdim=True)  # (b, kv_heads, C, 1); -1: none
+    spare = newest.clamp(min=0).long()
+    sim.scatter_(-1, spare, sim.gather(-1, spare) * (newest < 0))  # zero S[i, newest[i]] where it exists
+    n = mask.sum(-1, keepdim=True).clamp(min=1)  # (b, kv_heads, 1)
+    mean = sim.sum(-2) / n  # mean over the rows i: (b, kv_heads, C)
+    return torch.softmax(mean.masked_fill(~mask, -math.inf), dim=-1).nan_to_num(0.0)
+
+
+class RKV(EvictionPolicy):
+    """Redundancy-aware KV compression (Cai et al., 2025), SPEC §5.
+
+    Recipe, per sequence and KV head, at each eviction at step ``t``:
+
+    * **importance**: the last ``window`` pre-RoPE queries, each rotated to its *own* position;
+      logits ``q·k / sqrt(d)`` reduced by the **max over the GQA group before the softmax**; softmax
+      over every filled slot except the last ``window`` positions (``pos > t - window`` masked; the
+      prefix takes part); mean over the queries; max pooling along the cache, kernel ``kernel``.
+    * **redundancy**: :func:`key_redundancy` over the filled evictable keys (``pos >= n_prefix``),
+      ``threshold`` on the cosine similarity.
+    * score ``lam * importance - (1 - lam) * redundancy``; the last ``window`` positions score the
+      largest float32 (the reference always keeps its observation window; the base's ``+inf``
+      protection of the prefix and ``n_recent`` still comes first).
+
+    Differences from the reference code (**choice**): the redundancy runs over the evictable keys only
+    (the reference also counts the prompt and the window); a key without any similar neighbour spares
+    nothing (the reference then zeroes its similarity to slot 0 by accident); the default ``lam`` is
+    the paper's 0.1 (the code's default is 0.07).
+
+    Cadence: ``"budget"`` (default) is the shared SPEC §2 semantics. ``"rkv"`` is the reference
+    schedule: the cache evicts back to ``budget`` evictable tokens each time it holds
+    ``budget + buffer``, i.e. every ``buffer`` new tokens — so it holds up to ``n_prefix + budget +
+    buffer`` tokens (the budget is the size *after* an eviction, as in the R-KV paper).
+
+    Observes: the query ring, ``query_window = window``.
+
+    Args:
+        budget: ``B_max`` (``"budget"`` cadence) or the post-eviction size (``"rkv"`` cadence).
+        window: Observed recent queries w (default 8).
+        kernel: Odd max-pooling kernel (default 7).
+        lam: Weight of the importance, in ``[0, 1]`` (default 0.1).
+        threshold: Cosine similarity above which keys count as similar, in ``[0, 1]`` (default 0.5).
+        cadence: ``"budget"`` (default) or ``"rkv"``.
+        buffer: New tokens between evictions under ``cadence="rkv"`` (default 128).
+        **kwargs: ``n_prefix``, ``n_recent``, ``ratio``, ``telemetry`` of the base class.
+
+    Raises:
+        PolicyConfigError: Bad ``window``/``kernel``/``lam``/``threshold``/``cadence``, a missing
+            budget, or ``buffer < 1``.
+    """
+
+    name = "rkv"
+
+    def __init__(
+        self,
+        budget: int,
+        window: int = 8,
+        kernel: int = 7,
+        lam: float = 0.1,
+        threshold: float = 0.5,
+        cadence: str = "budget",
+        buffer: int = 128,
+        **kwargs,
+    ) -> None:
+        super().__init__(budget, **kwargs)
+        check_window_kernel(window, kernel)
+        if budget is None:
+            raise PolicyConfigError("RKV needs a budget (e.g. budget=1024).")
+        if not 0.0 <= lam <= 1.0:
+            raise PolicyConfigError(f"lam={lam} must lie in [0, 1] (default 0.1).")
+        if not 0.0 <= threshold <= 1.0:
+            raise PolicyConfigError(f"threshold={threshold} must be a cosine similarity in [0, 1] (default 0.5).")
+        if cadence not in CADENCES:
+            raise PolicyConfigError(f"cadence={cadence!r} is unknown; use one of {CADENCES}.")
+        if buffer < 1:
+            raise PolicyConfigError(f"buffer={buffer} must be >= 1 (default 128).")
+        self.window, self.kernel, self.lam, self.threshold = window, kernel, lam, threshold
+        self.cadence, self.buffer = cadence, buffer
+
+    # ---------------------------------------------------------------- scoring
+    @property
+    def query_window(self) -> int:
+        return self.window
+
+    def observed_positions(self, layer: int, rows: Tensor, t: Tensor) -> Tensor:
+        _, qpos, mask = last_queries(self.cache[layer], rows, t, self.window)
+        return qpos.masked_fill(~mask, -1).cpu()
+
+    def importance(self, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+        """``(b, kv_heads, capacity)`` max-pooled attention of the last ``window`` queries (see the class)."""
+        q, qpos, q_mask = last_queries(cache, rows, t, self.window)
+        q_rot = self.rope.rotate(q, qpos.clamp(min=0)).float()  # each query at its own position
+        b, H, n, D = q_rot.shape
+        Hkv = cache.n_kv_heads
+        qg = q_rot.view(b, Hkv, H // Hkv, n, D)  # (b, kv_heads, group, n, head_dim)
+        logits = torch.einsum("bkgnd,bkcd->bkgnc", qg, cache.k[rows].float()) / math.sqrt(D)
+        logits = logits.amax(2)  # max over the GQA group, before the softmax: (b, kv_heads, n, C)
+        pos = cache.pos[rows]
+        seen = (pos >= 0) & (pos <= (t - self.window)[:, None, None])  # all but the last window
+        w = torch.softmax(logits.masked_fill(~seen[:, :, None], -math.inf), dim=-1).nan_to_num(0.0)
+        w = w * q_mask[:, None, :, None]
+        mean = w.sum(2) / q_mask.sum(-1).clamp(min=1)[:, None, None]
+        return pool_slots(mean, self.kernel, "max")
+
+    def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+        pos = cache.pos[rows]
+        n_prefix = torch.tensor(self.prefix, device=pos.device)[rows][:, None, None]
+        redundancy = key_redundancy(cache.k[rows], (pos >= 0) & (pos >= n_prefix), self.threshold)
+        scores = self.lam * self.importance(cache, rows, t) - (1 - self.lam) * redundancy
+        # the observation window outranks every score but not the base's +inf (prefix, n_recent): when
+        # window > B_min the window must not push the prefix out
+        window_keep = torch.finfo(torch.float32).max
+        return torch.where(pos > (t - self.window)[:, None, None], window_keep, scores)
+
+    # --------------------------------------------------------------- cadence
+    def evict_due(self) -> None:
+        if self.cadence == "budget":
+            return super().evict_due()
+        due = [b for b, c in enumerate(self.count) if c >= self.budget + self.buffer]
+        if due:
+            self.evict(due)
+
+    def keep_count(self, rows: list[int]) -> list[int]:
+        return super().keep_count(rows) if self.cadence == "budget" else [self.budget] * len(rows)
+
+    def capacity(self, prompt_lengths: list[int], max_new_tokens: int) -> int:
+        if self.cadence == "budget":
+            return super().capacity(prompt_lengths, max_new_tokens)
+        longest = max(L + max_new_tokens for L in prompt_lengths)
+        bound = max(p + self.budget + self.buffer for p in self.prefix_lengths(prompt_lengths))
+        return max(min(bound, longest), max(prompt_lengths))
+
+    def __repr__(self) -> str:
+        extra = f", window={self.window}, kernel={self.kernel}, lam={self.lam}, threshold={self.threshold}"
+        if self.cadence == "rkv":
+            extra += f", cadence='rkv', buffer={self.buffer}"
+        return f"{super().__repr__()[:-1]}{extra})"

@@ -1,0 +1,203 @@
+"""RPC (Reasoning Path Compression): the last ``window`` queries score the generated tokens, summed.
+
+Two cadences: the project's shared budget cadence (default), or RPC's own periodic compression
+(every ``period`` new tokens keep ``1/compression`` of them; the cache grows by ``period/compression``
+per period).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..cache import LayerKVCache
+from .base import EvictionPolicy, PolicyConfigError
+from .scoring import attention_probs, check_window_kernel, last_queries, pool_slots, reduce_group, reduce_queries
+
+CADENCES = ("budget", "rpc")
+GROUP_REDUCES = ("mean", "all_heads")
+
+
+class RPC(EvictionPolicy):
+    """Reasoning Path Compression (Song et al., 2025), SPEC §5.
+
+    Recipe, per sequence, at each eviction:
+
+    1. the last ``window`` (R) pre-RoPE queries of the ring, each rotated to its *own* position;
+    2. softmax over the *evictable region only* (filled slots with position ``>= n_prefix``), causal;
+    3. **sum** over the queries;
+    4. average pooling along the cache axis, kernel ``kernel`` (ends average only existing slots);
+    5. ``group_reduce="mean"``: mean over the query heads of each KV head's GQA group;
+       ``"all_heads"``: mean over every query head of the layer, the same score broadcast to every KV
+       head (RPC's reference default): all KV heads then keep the same positions.
+
+    Cadence:
+
+    * ``"budget"`` (default): the shared SPEC §2 semantics (evict at ``budget``, down to ``B_min``).
+    * ``"rpc"``: RPC's own schedule; ``budget`` must be None. Whenever ``period`` tokens have arrived
+      since the last compression (counting the ``R = max(window, n_recent)`` recent tokens it left
+      uncompressed), the newest ``period`` tokens are compacted: their last ``R`` stay, and
+      ``period // compression`` of the others are kept by score. Older (already compressed) tokens stay
+      untouched, so the evictable count grows by ``period // compression`` per period and
+      :meth:`capacity` sizes the cache for the whole generation. ``reselect=True`` instead re-selects
+      among *all* evictable tokens but the last ``R`` (keeping as many as the period rule), as RPC's
+      reference code does.
+
+    Observes: the query ring, ``query_window = window``.
+
+    Args:
+        budget: ``B_max`` for ``cadence="budget"``; None for ``cadence="rpc"``.
+        window: Observed recent queries R (default 32).
+        kernel: Odd pooling kernel (default 7).
+        group_reduce: ``"mean"`` (default) or ``"all_heads"``.
+        cadence: ``"budget"`` (default) or ``"rpc"``.
+        period: P, new tokens per compression under ``cadence="rpc"`` (default 1024; the paper also
+            uses 4096).
+        compression: c, the kept share ``1/c`` of a period (default 4).
+        reselect: Under ``cadence="rpc"``, re-select over every evictable token (reference code) instead
+            of the newest period only (default False).
+        **kwargs: ``n_prefix``, ``n_recent``, ``ratio``, ``telemetry`` of the base class.
+
+    Raises:
+        PolicyConfigError: Bad ``window``/``kernel``/``group_reduce``/``cadence``; under
+            ``cadence="rpc"``: a budget given, ``compression < 1``, or ``period`` too short to keep
+            ``R + period // compression`` tokens.
+    """
+
+    name = "rpc"
+
+    def __init__(
+        self,
+        budget: int | None,
+        window: int = 32,
+        kernel: int = 7,
+        group_reduce: str = "mean",
+        cadence: str = "budget",
+        period: int = 1024,
+        compression: int = 4,
+        reselect: bool = False,
+        **kwargs,
+    ) -> None:
+        super().__init__(budget, **kwargs)
+        check_window_kernel(window, kernel)
+        if group_reduce not in GROUP_REDUCES:
+            raise PolicyConfigError(f"group_reduce={group_reduce!r} is unknown; use one of {GROUP_REDUCES}.")
+        if cadence not in CADENCES:
+            raise PolicyConfigError(f"cadence={cadence!r} is unknown; use one of {CADENCES}.")
+        if cadence == "budget" and budget is None:
+            raise PolicyConfigError("cadence='budget' needs a budget (e.g. budget=1024), or use cadence='rpc'.")
+        if cadence == "rpc":
+            if budget is not None:
+                raise PolicyConfigError(
+                    f"cadence='rpc' sizes the cache from period={period} and compression={compression}; "
+                    f"pass budget=None instead of budget={budget}."
+                )
+            if compression < 1:
+                raise PolicyConfigError(f"compression={compression} must be >= 1 (default 4).")
+            keep_recent = max(window, self.n_recent)
+            if period // compression < 1 or period < keep_recent + period // compression:
+                raise PolicyConfigError(
+                    f"period={period} must hold the {keep_recent} uncompressed recent tokens (max(window, "
+                    f"n_recent)) plus at least period // compression={period // compression} >= 1 kept "
+                    f"tokens; use period >= {keep_recent + max(1, period // compression)} or a smaller "
+                    "compression/window."
+                )
+        self.window, self.kernel, self.group_reduce = window, kernel, group_reduce
+        self.cadence, self.period, self.compression, self.reselect = cadence, period, compression, reselect
+
+    # ---------------------------------------------------------------- scoring
+    @property
+    def query_window(self) -> int:
+        return self.window
+
+    def observed_positions(self, layer: int, rows: Tensor, t: Tensor) -> Tensor:
+        _, qpos, mask = last_queries(self.cache[layer], rows, t, self.window)
+        return qpos.masked_fill(~mask, -1).cpu()
+
+    def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+        q, qpos, q_mask = last_queries(cache, rows, t, self.window)
+        q_rot = self.rope.rotate(q, qpos.clamp(min=0))  # each query at its own position
+        pos = cache.pos[rows]  # (b, kv_heads, capacity)
+        n_prefix = torch.tensor(self.prefix, device=pos.device)[rows][:, None, None]
+        evictable = (pos >= 0) & (pos >= n_prefix)
+        w = attention_probs(
+            q_rot, q_mask, cache.k[rows], evictable, 1.0 / math.sqrt(cache.head_dim), q_pos=qpos, key_pos=pos
+        )  # (b, kv_heads, group, n, capacity)
+        summed = reduce_queries(w, q_mask, "sum")  # (b, kv_heads, group, capacity)
+        if self.group_reduce == "all_heads":
+            scores = summed.mean((1, 2), keepdim=True).squeeze(2).expand(-1, cache.n_kv_heads, -1)
+        else:
+            scores = reduce_group(summed, "mean")
+        scores = pool_slots(scores.contiguous(), self.kernel, "avg")
+        if self.cadence == "rpc":
+            keep = pos > (t - self.keep_recent)[:, None, None]  # left uncompressed, as RPC's last R
+            if not self.reselect:  # compact the newest period only
+                keep |= pos <= (t - self.period)[:, None, None]
+            scores = torch.where(keep, math.inf, scores)
+        return scores
+
+    # --------------------------------------------------------------- cadence
+    @property
+    def keep_recent(self) -> int:
+        """Recent tokens RPC's cadence leaves uncompressed: ``max(window, n_recent)``."""
+        return max(self.window, self.n_recent)
+
+    @property
+    def kept_per_period(self) -> int:
+        """``period // compression``: tokens a compression keeps out of a period (besides the recent)."""
+        return self.period // self.compression
+
+    def start(self, cache, rope, prompt_lengths: list[int]) -> None:
+        super().start(cache, rope, prompt_lengths)
+        #: evictable tokens older than the current period, per sequence (cadence "rpc")
+        self.settled = [0] * len(prompt_lengths)
+
+    def evict_due(self) -> None:
+        if self.cadence == "budget":
+            return super().evict_due()
+        due = [b for b, (c, s) in enumerate(zip(self.count, self.settled)) if c - s >= self.period]
+        if due:
+            self.evict(due)
+
+    def keep_count(self, rows: list[int]) -> list[int]:
+        if self.cadence == "budget":
+            return super().keep_count(rows)
+        return [self.count[b] - self.period + self.kept_per_period + self.keep_recent for b in rows]
+
+    def after_evict(self, rows: list[int]) -> None:
+        if self.cadence == "rpc":
+            for b in rows:
+                self.settled[b] = self.count[b] - self.keep_recent
+
+    def capacity(self, prompt_lengths: list[int], max_new_tokens: int) -> int:
+        if self.cadence == "budget":
+            return super().capacity(prompt_lengths, max_new_tokens)
+        longest = max(L + max_new_tokens for L in prompt_lengths)
+        peaks = [
+            p + self._peak_count(L - p, max_new_tokens)
+            for L, p in zip(prompt_lengths, self.prefix_lengths(prompt_lengths))
+        ]
+        return max(min(max(peaks), longest), max(prompt_lengths))
+
+    def _peak_count(self, count: int, new_tokens: int) -> int:
+        """Most evictable tokens a sequence holds under the "rpc" cadence (host arithmetic, one loop
+        iteration per compression)."""
+        P, T, R = self.period, self.kept_per_period, self.keep_recent
+        settled, peak = 0, count
+        if count >= P:  # the prompt alone fills a period: compressed right after the prefill
+            settled, count = count - P + T, count - P + T + R
+        while new_tokens > 0:
+            step = min(new_tokens, settled + P - count)  # tokens until the next compression
+            count, new_tokens = count + step, new_tokens - step
+            peak = max(peak, count)
+            if count - settled >= P:
+                settled, count = count - P + T, count - P + T + R
+        return peak
+
+    def __repr__(self) -> str:
+        extra = f", window={self.window}, kernel={self.kernel}, group_reduce={self.group_reduce!r}"
+        if self.cadence == "rpc":
+            extra += f", cadence='rpc', period={self.period}, compression={self.compression}, reselect={self.reselect}"
+        return f"{super().__repr__()[:-1]}{extra})"

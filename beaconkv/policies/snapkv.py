@@ -1,0 +1,65 @@
+"""SnapKV at decode time: the last ``window`` queries vote, with pooled attention, for the keys to keep."""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from ..cache import LayerKVCache
+from .base import EvictionPolicy
+from .scoring import attention_probs, check_window_kernel, last_queries, pool_slots, reduce_group, reduce_queries
+
+
+class SnapKV(EvictionPolicy):
+    """Decode-time SnapKV (Li et al., 2024), SPEC §5.
+
+    Recipe, per sequence and KV head, at each eviction:
+
+    1. the last ``window`` pre-RoPE queries of the ring, each rotated to its *own* position;
+    2. softmax over every cached key (prefix included), causal (a query sees keys at positions <= its own);
+    3. mean over the queries;
+    4. average pooling along the cache axis, kernel ``kernel``, stride 1 (at the ends of the cache
+       the window averages only the slots that exist);
+    5. mean over the query heads of the GQA group.
+
+    Observes: the query ring, ``query_window = window``.
+
+    Args:
+        budget: ``B_max`` (see :class:`~beaconkv.policies.base.EvictionPolicy`).
+        window: Observed recent queries (default 32).
+        kernel: Odd pooling kernel (default 5).
+        **kwargs: ``n_prefix``, ``n_recent``, ``ratio``, ``telemetry`` of the base class.
+
+    Raises:
+        PolicyConfigError: ``window < 1`` or ``kernel`` even or ``< 1``.
+    """
+
+    name = "snapkv"
+
+    def __init__(self, budget: int | None, window: int = 32, kernel: int = 5, **kwargs) -> None:
+        super().__init__(budget, **kwargs)
+        check_window_kernel(window, kernel)
+        self.window, self.kernel = window, kernel
+
+    @property
+    def query_window(self) -> int:
+        return self.window
+
+    def observed_positions(self, layer: int, rows: Tensor, t: Tensor) -> Tensor:
+        _, qpos, mask = last_queries(self.cache[layer], rows, t, self.window)
+        return qpos.masked_fill(~mask, -1).cpu()
+
+    def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+        q, qpos, q_mask = last_queries(cache, rows, t, self.window)
+        q_rot = self.rope.rotate(q, qpos.clamp(min=0))  # each query at its own position
+        pos = cache.pos[rows]
+        w = attention_probs(
+            q_rot, q_mask, cache.k[rows], pos >= 0, 1.0 / math.sqrt(cache.head_dim), q_pos=qpos, key_pos=pos
+        )  # (b, kv_heads, group, n, capacity)
+        per_head = reduce_queries(w, q_mask, "mean")  # (b, kv_heads, group, capacity)
+        # the group mean and the average pooling are both linear: taking the mean first is the same
+        return pool_slots(reduce_group(per_head, "mean"), self.kernel, "avg")
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, window={self.window}, kernel={self.kernel})"
