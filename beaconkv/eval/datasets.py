@@ -208,6 +208,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         ),
     )
 }
+"""The built-in benchmarks by name (``aime24``, ``math500``, ``gpqa_diamond``, ``livecodebench`` ...)."""
 
 _ALIASES = {
     "aime": "aime24",

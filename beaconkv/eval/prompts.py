@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+"""The instruction added to every math problem: reason step by step, answer in ``\\boxed{}``."""
 
 CHOICE_TEMPLATE = (
     "Answer the following multiple choice question. The last line of your response should be of "

@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 ResultKey = tuple[str, str, int, str, "int | None"]
+"""The resume key of a record: (benchmark, problem id, sample index, policy, budget); see :func:`record_key`."""
 
 _RANK_RE = re.compile(r"\.rank(\d+)\.jsonl$")
 
