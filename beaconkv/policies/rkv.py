@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 
 from ..cache import LayerKVCache
-from .base import EvictionPolicy, PolicyConfigError
-from .scoring import check_window_kernel, last_queries, pool_slots
+from .base import PolicyConfigError
+from .scoring import pool_slots
+from .window import RecentWindowPolicy
 
 CADENCES = ("budget", "rkv")
 
@@ -49,7 +50,7 @@ def key_redundancy(keys: Tensor, mask: Tensor, threshold: float) -> Tensor:
     return torch.softmax(mean.masked_fill(~mask, -math.inf), dim=-1).nan_to_num(0.0)
 
 
-class RKV(EvictionPolicy):
+class RKV(RecentWindowPolicy):
     """Redundancy-aware KV compression (Cai et al., 2025), SPEC §5.
 
     Recipe, per sequence and KV head, at each eviction at step ``t``:
@@ -104,8 +105,7 @@ class RKV(EvictionPolicy):
         buffer: int = 128,
         **kwargs,
     ) -> None:
-        super().__init__(budget, **kwargs)
-        check_window_kernel(window, kernel)
+        super().__init__(budget, window, kernel, **kwargs)
         if budget is None:
             raise PolicyConfigError("RKV needs a budget (e.g. budget=1024).")
         if not 0.0 <= lam <= 1.0:
@@ -116,22 +116,16 @@ class RKV(EvictionPolicy):
             raise PolicyConfigError(f"cadence={cadence!r} is unknown; use one of {CADENCES}.")
         if buffer < 1:
             raise PolicyConfigError(f"buffer={buffer} must be >= 1 (default 128).")
-        self.window, self.kernel, self.lam, self.threshold = window, kernel, lam, threshold
+        self.lam, self.threshold = lam, threshold
         self.cadence, self.buffer = cadence, buffer
 
     # ---------------------------------------------------------------- scoring
-    @property
-    def query_window(self) -> int:
-        return self.window
 
-    def observed_positions(self, layer: int, rows: Tensor, t: Tensor) -> Tensor:
-        _, qpos, mask = last_queries(self.cache[layer], rows, t, self.window)
-        return qpos.masked_fill(~mask, -1).cpu()
 
     def importance(self, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
         """``(b, kv_heads, capacity)`` max-pooled attention of the last ``window`` queries (see the class)."""
-        q, qpos, q_mask = last_queries(cache, rows, t, self.window)
-        q_rot = self.rope.rotate(q, qpos.clamp(min=0)).float()  # each query at its own position
+        q_rot, qpos, q_mask = self.window_queries(cache, rows, t)  # each query at its own position
+        q_rot = q_rot.float()
         b, H, n, D = q_rot.shape
         Hkv = cache.n_kv_heads
         qg = q_rot.view(b, Hkv, H // Hkv, n, D)  # (b, kv_heads, group, n, head_dim)

@@ -13,14 +13,15 @@ import torch
 from torch import Tensor
 
 from ..cache import LayerKVCache
-from .base import EvictionPolicy, PolicyConfigError
-from .scoring import attention_probs, check_window_kernel, last_queries, pool_slots, reduce_group, reduce_queries
+from .base import PolicyConfigError
+from .scoring import attention_probs, pool_slots, reduce_group, reduce_queries
+from .window import RecentWindowPolicy
 
 CADENCES = ("budget", "rpc")
 GROUP_REDUCES = ("mean", "all_heads")
 
 
-class RPC(EvictionPolicy):
+class RPC(RecentWindowPolicy):
     """Reasoning Path Compression (Song et al., 2025), SPEC §5.
 
     Recipe, per sequence, at each eviction:
@@ -80,8 +81,7 @@ class RPC(EvictionPolicy):
         reselect: bool = False,
         **kwargs,
     ) -> None:
-        super().__init__(budget, **kwargs)
-        check_window_kernel(window, kernel)
+        super().__init__(budget, window, kernel, **kwargs)
         if group_reduce not in GROUP_REDUCES:
             raise PolicyConfigError(f"group_reduce={group_reduce!r} is unknown; use one of {GROUP_REDUCES}.")
         if cadence not in CADENCES:
@@ -104,21 +104,14 @@ class RPC(EvictionPolicy):
                     f"tokens; use period >= {keep_recent + max(1, period // compression)} or a smaller "
                     "compression/window."
                 )
-        self.window, self.kernel, self.group_reduce = window, kernel, group_reduce
+        self.group_reduce = group_reduce
         self.cadence, self.period, self.compression, self.reselect = cadence, period, compression, reselect
 
     # ---------------------------------------------------------------- scoring
-    @property
-    def query_window(self) -> int:
-        return self.window
 
-    def observed_positions(self, layer: int, rows: Tensor, t: Tensor) -> Tensor:
-        _, qpos, mask = last_queries(self.cache[layer], rows, t, self.window)
-        return qpos.masked_fill(~mask, -1).cpu()
 
     def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
-        q, qpos, q_mask = last_queries(cache, rows, t, self.window)
-        q_rot = self.rope.rotate(q, qpos.clamp(min=0))  # each query at its own position
+        q_rot, qpos, q_mask = self.window_queries(cache, rows, t)  # each query at its own position
         pos = cache.pos[rows]  # (b, kv_heads, capacity)
         n_prefix = torch.tensor(self.prefix, device=pos.device)[rows][:, None, None]
         evictable = (pos >= 0) & (pos >= n_prefix)

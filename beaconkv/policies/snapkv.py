@@ -7,11 +7,11 @@ import math
 from torch import Tensor
 
 from ..cache import LayerKVCache
-from .base import EvictionPolicy
-from .scoring import attention_probs, check_window_kernel, last_queries, pool_slots, reduce_group, reduce_queries
+from .scoring import attention_probs, pool_slots, reduce_group, reduce_queries
+from .window import RecentWindowPolicy
 
 
-class SnapKV(EvictionPolicy):
+class SnapKV(RecentWindowPolicy):
     """Decode-time SnapKV (Li et al., 2024), SPEC §5.
 
     Recipe, per sequence and KV head, at each eviction:
@@ -38,21 +38,12 @@ class SnapKV(EvictionPolicy):
     name = "snapkv"
 
     def __init__(self, budget: int | None, window: int = 32, kernel: int = 5, **kwargs) -> None:
-        super().__init__(budget, **kwargs)
-        check_window_kernel(window, kernel)
-        self.window, self.kernel = window, kernel
+        super().__init__(budget, window, kernel, **kwargs)
 
-    @property
-    def query_window(self) -> int:
-        return self.window
 
-    def observed_positions(self, layer: int, rows: Tensor, t: Tensor) -> Tensor:
-        _, qpos, mask = last_queries(self.cache[layer], rows, t, self.window)
-        return qpos.masked_fill(~mask, -1).cpu()
 
     def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
-        q, qpos, q_mask = last_queries(cache, rows, t, self.window)
-        q_rot = self.rope.rotate(q, qpos.clamp(min=0))  # each query at its own position
+        q_rot, qpos, q_mask = self.window_queries(cache, rows, t)  # each query at its own position
         pos = cache.pos[rows]
         w = attention_probs(
             q_rot, q_mask, cache.k[rows], pos >= 0, 1.0 / math.sqrt(cache.head_dim), q_pos=qpos, key_pos=pos
