@@ -25,6 +25,9 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/beaconkv bench
 
+fidelity: $(STAMP)
+	$(VENV)/bin/beaconkv fidelity
+
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict
 

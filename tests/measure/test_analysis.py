@@ -1,0 +1,92 @@
+"""Trace analysis: helpers on constructed inputs, the recorded quantities on a tiny model, and the CLI end to end."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+
+import pytest
+import torch
+
+import beaconkv
+from beaconkv.measure.analysis import (
+    add_analyze_arguments,
+    analyze_trace,
+    distance_bin,
+    mixed_head,
+    parse_window,
+    run_analyze,
+)
+from beaconkv.measure.fidelity import FidelityError, GlobalQueryRule, PolicySpec, Trace
+
+
+def test_distance_bins_are_log2():
+    assert distance_bin(torch.tensor([0, 1, 2, 3, 4, 7, 8, 200])).tolist() == [0, 1, 2, 2, 3, 3, 4, 8]
+
+
+def test_window_parsing_and_errors():
+    assert parse_window(None, 1000) == (744, 1000)
+    assert parse_window(None, 100) == (0, 100)
+    assert parse_window("10:50", 100) == (10, 50)
+    assert parse_window(":20", 100) == (0, 20)
+    assert parse_window("90:", 100) == (90, 100)
+    with pytest.raises(FidelityError, match="START:END"):
+        parse_window("10-20", 100)
+    with pytest.raises(FidelityError, match="widen"):
+        parse_window("99:", 100)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return beaconkv.load_model(tiny_models["llama"][0])
+
+
+def test_analysis_records_every_query_and_the_beacons_held(llama):
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 97, (12,), generator=g).tolist()
+    output = torch.randint(3, 97, (48,), generator=g).tolist()
+    trace = Trace("t", prompt, output)
+    spec = PolicySpec("beacon", 16, (("n_beacon", 2), ("n_recent", 2)))
+    a = analyze_trace(llama, trace, 48, GlobalQueryRule(top_k=4, threshold=6.0), spec, progress=False)
+    cfg = llama.config
+    shape = (48, cfg.num_hidden_layers, cfg.num_attention_heads)
+    assert a.distance.shape == a.is_global.shape == a.recall.shape == shape
+    assert torch.equal(a.is_global, a.distance > 6.0)
+    assert 0 < int(a.is_global.sum()) < a.is_global.numel()
+    assert bool((a.recall <= 1 + 1e-5).all()) and bool((a.recall[:4] > 1 - 1e-5).all())  # nothing evicted yet
+    assert float(a.recall.min()) < 1.0  # BeaconKV evicted by the end
+    # the mass histogram holds one unit of attention per query
+    assert float(a.mass_by_distance.sum()) == pytest.approx(a.is_global.numel(), rel=1e-4)
+    # pre-RoPE queries of every position were kept, and beacons were recorded
+    assert a.queries.shape[2] == 12 + 48 and bool(a.queries[:, :, -1].abs().sum() > 0)
+    assert a.held_query_pos.shape[-1] == 2 and bool(a.frozen.any()) and not bool(a.frozen.all())
+    assert not torch.isnan(a.beacon_cos).all()
+    n_g = a.is_global.sum(0)
+    balance = torch.minimum(n_g, 48 - n_g)
+    layer, head = mixed_head(a, (0, 48))
+    assert balance[layer, head] == balance.max()
+
+
+def test_analyze_cli_runs_end_to_end_on_a_short_real_trace(tmp_path, capsys):
+    parser = add_analyze_arguments(argparse.ArgumentParser())
+    out = tmp_path / "an"
+    args = parser.parse_args([
+        "--tokens", "24", "--budget", "16", "--top-k", "8", "--global-threshold", "20", "--window", "4:24",
+        "--out", str(out), "--no-progress", "--threads", "1",
+    ])
+    assert run_analyze(args) == 0
+    for name in ("attention_distance.png", "global_heatmap.png", "query_similarity.png", "beacons.png", "summary.txt"):
+        assert (out / name).stat().st_size > 0
+    rows = list(csv.DictReader((out / "global_queries.csv").open()))
+    assert rows and {r["phase"] for r in rows} <= {"frozen", "accumulating"}
+    assert all(float(r["mean_distance"]) > 20 for r in rows)
+    text = capsys.readouterr().out
+    assert "global queries:" in text and "BeaconKV(budget=16" in text
+
+
+def test_analyze_cli_reports_bad_values(tmp_path, capsys):
+    parser = add_analyze_arguments(argparse.ArgumentParser())
+    assert run_analyze(parser.parse_args(["--tokens", "40", "--layer", "99", "--out", str(tmp_path)])) == 2
+    assert "--layer=99" in capsys.readouterr().err
+    assert run_analyze(parser.parse_args(["--low-sim-quantile", "0", "--out", str(tmp_path)])) == 2
+    assert "--low-sim-quantile=0" in capsys.readouterr().err
