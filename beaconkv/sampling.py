@@ -41,8 +41,19 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
-def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
-    """Picks one token per row of ``logits`` ``(batch, vocab)``; returns ``(batch,)`` int64."""
+def sample_next(
+    logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None, noise: Tensor | None = None
+) -> Tensor:
+    """Picks one token per row of ``logits`` ``(batch, vocab)``; returns ``(batch,)`` int64.
+
+    Args:
+        logits: ``(batch, vocab)`` scores.
+        params: How to choose.
+        generator: Draws the race noise (None: the default generator).
+        noise: Pre-drawn ``Exp(1)`` race noise ``(batch, vocab)`` float32 (see :func:`race_noise`),
+            used instead of drawing from ``generator``: a compiled step cannot take a
+            ``torch.Generator``, so it is handed the very draws the eager path would make.
+    """
     if params.greedy:
         return logits.argmax(-1)
     logits = logits.float() / params.temperature
@@ -57,5 +68,12 @@ def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generat
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(-1)
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    race = noise if noise is not None else torch.empty_like(probs).exponential_(1.0, generator=generator)
     return (probs / race).argmax(-1)
+
+
+def race_noise(
+    batch: int, vocab: int, device: torch.device | str, generator: torch.Generator | None = None
+) -> Tensor:
+    """Draws the ``(batch, vocab)`` float32 ``Exp(1)`` noise :func:`sample_next` would draw itself."""
+    return torch.empty(batch, vocab, dtype=torch.float32, device=device).exponential_(1.0, generator=generator)

@@ -1,0 +1,510 @@
+"""Compiled decoding: the decode step and the eviction step as ``torch.compile(fullgraph=True)`` graphs.
+
+:func:`beaconkv.generate` with ``compile=True`` runs:
+
+* **the decode step** — one token for the whole batch through every layer: projections, RoPE, the
+  in-place cache write, attention over the fixed-capacity cache with its validity mask, the LM head
+  and sampling, as one graph (:func:`decode_and_sample`). Static shapes, no host sync, cache buffers
+  mutated in place. Sampling noise is drawn outside the graph (a graph cannot take a
+  ``torch.Generator``) by the same generator calls the eager path makes, so a seeded run samples the
+  same tokens compiled or not.
+* **the eviction step** — score, choose the kept slots (:func:`select_keep_static`: the keep count
+  ``K`` comes from the host's schedule, so shapes are static) and compact in place
+  (:func:`evict_layer`). The host triggers it at steps it computes from Python integers (the
+  policy's schedule), never by reading the device. On CPU one layer's graph is compiled once and
+  called per layer (every layer has the same shapes: seconds to compile instead of minutes); with
+  CUDA graphs one graph covers all layers (:func:`evict_model`), so an eviction is one replay.
+* **BeaconKV's maintenance** between steps (FPS compression every ``n_recent`` steps, beacon freeze,
+  roll): the query sets of all layers are gathered, and one compiled sampler call
+  (:func:`select_queries`) runs the FPS of every layer at once — the per-layer loop of the eager
+  policy costs ~40 small kernels per layer.
+
+On CUDA the graphs run with ``mode="reduce-overhead"`` (CUDA graphs; cache buffers and BeaconKV's
+query sets are marked as static addresses, outputs are cloned before the host keeps them). On CPU
+they go through inductor; batch-1 matmuls become inductor's own vectorised reductions
+(:attr:`CompileConfig.cpu_gemv`), and ``freezing`` is available (measured no faster here).
+
+What stays eager, by design: the prefill (one call per generation); evictions of only *some* rows
+of the batch (ragged schedules, e.g. an int ``n_prefix`` with prompts of different lengths, whose
+rows reach the budget at different steps), of policies that override
+:meth:`~beaconkv.policies.EvictionPolicy.evict` with a schedule this module does not know, or with
+telemetry on (it reads the device). :class:`CompiledDecoding` counts the evictions that took the
+graph (``GenerationStats.compiled_evictions``). Nothing falls back silently: a step that fails to
+compile raises :class:`CompileError`.
+
+Trap: the policy's host state (Python lists of counts and positions) must never be read inside a
+graph — it would be baked in as a constant and recompile at the next change — so every such value
+crosses into a graph as a tensor argument. :func:`beacon_scores` and the maintenance wrappers mirror
+BeaconKV's own methods for that reason; the tests check that compiled and eager runs keep the same
+tokens and evictions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .cache import KVCache, LayerKVCache
+from .models.decoder import CausalLM
+from .policies.base import EvictionPolicy
+from .policies.beacon import BeaconKV, QuerySet, ring_set
+from .policies.scoring import attention_probs, reduce_group, reduce_queries
+from .sampling import SamplingParams, race_noise, sample_next
+
+#: Most graphs one compiled function may hold (shapes, dtypes, models, policies) before
+#: :class:`CompileError` is raised instead of dynamo's silent fallback to eager.
+RECOMPILE_LIMIT = 64
+
+
+class CompileError(RuntimeError):
+    """``torch.compile`` is unavailable here or failed to compile a step; nothing fell back to eager."""
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How :func:`beaconkv.generate` compiles its steps (``compile=True`` uses the defaults).
+
+    Attributes:
+        backend: ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` checks tracing quickly).
+        mode: ``torch.compile`` mode; None = ``"reduce-overhead"`` (CUDA graphs) on CUDA, inductor's
+            default elsewhere.
+        freezing: Inductor ``freezing`` (weights folded as constants, GEMMs pre-packed for oneDNN).
+            Off by default: on CPUs without AVX-512 it measured no faster for batch-1 decoding and
+            makes the first compile slower; ``beaconkv bench --freezing`` measures it on yours.
+        dynamic: ``torch.compile(dynamic=...)``; None lets a shape that changed between calls (cache
+            capacity, batch) become symbolic after one recompile.
+        eviction: Compile full-batch evictions (else they run eagerly).
+        layerwise_eviction: Compile the eviction of *one* layer and call it per layer (compiles in
+            seconds, since every layer has the same shapes) instead of one graph over all layers;
+            None = per layer, except with CUDA graphs (one replay per eviction needs one graph).
+        maintenance: Compile BeaconKV's between-step maintenance (FPS compression, freeze, roll) for
+            full-batch schedules, with the FPS of all layers batched into one call.
+        cpu_gemv: On CPU, let inductor turn batch-1 matmuls into its own vectorised reductions
+            (its ``decompose_mm_pass``) instead of calling the BLAS: decoding one token is a
+            matrix-vector product, memory-bound, and the BLAS's bf16 path is compute-bound on CPUs
+            without native bf16 (measured on the embedded model, 1 thread: bf16 42 -> 31 ms/step,
+            fp32 44 -> 38). The pass takes matrices up to 2048 x 2048: every layer of small models,
+            not a large vocabulary's LM head.
+    """
+
+    backend: str = "inductor"
+    mode: str | None = None
+    freezing: bool | None = None
+    dynamic: bool | None = None
+    eviction: bool = True
+    layerwise_eviction: bool | None = None
+    maintenance: bool = True
+    cpu_gemv: bool = True
+
+    def options(self, device: torch.device) -> dict[str, Any]:
+        """Keyword arguments of ``torch.compile`` for a device (``fullgraph=True`` always)."""
+        kwargs: dict[str, Any] = {"fullgraph": True, "backend": self.backend, "dynamic": self.dynamic}
+        if self.backend != "inductor":
+            return kwargs
+        mode = self.mode if self.mode is not None else ("reduce-overhead" if device.type == "cuda" else None)
+        options: dict[str, Any] = {}
+        if self.freezing:
+            options["freezing"] = True
+        if self.cpu_gemv and device.type == "cpu":
+            options["post_grad_fusion_options"] = {"decompose_mm_pass": {}}
+        if not options:
+            kwargs["mode"] = mode
+            return kwargs
+        # torch.compile takes either a mode or inductor options: spell the mode as options
+        if mode == "reduce-overhead":
+            options["triton.cudagraphs"] = True
+        elif mode not in (None, "default"):
+            raise CompileError(f"mode={mode!r} cannot be combined with freezing/cpu_gemv; pass freezing=False.")
+        kwargs["options"] = options
+        return kwargs
+
+    def cuda_graphs(self, device: torch.device) -> bool:
+        """Whether the compiled steps replay as CUDA graphs on ``device``."""
+        if device.type != "cuda" or self.backend != "inductor":
+            return False
+        return (self.mode if self.mode is not None else "reduce-overhead") == "reduce-overhead"
+
+
+def resolve_compile_config(compile: bool | CompileConfig | None) -> CompileConfig | None:
+    """``True`` -> the default :class:`CompileConfig`; ``False``/None -> None (eager).
+
+    Raises:
+        TypeError: Anything else.
+    """
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return CompileConfig()
+    if isinstance(compile, CompileConfig):
+        return compile
+    raise TypeError(f"compile={compile!r} must be a bool or a beaconkv.compile.CompileConfig.")
+
+
+def check_compile_available() -> None:
+    """Raises :class:`CompileError` when ``torch.compile`` cannot run in this interpreter."""
+    if not hasattr(torch, "compile"):
+        raise CompileError(f"torch {torch.__version__} has no torch.compile; install torch>=2.4 or pass compile=False.")
+    try:
+        import torch._dynamo as dynamo
+
+        supported = dynamo.is_dynamo_supported()
+    except Exception as err:  # pragma: no cover - broken installs
+        raise CompileError(f"torch.compile cannot be imported ({err}); pass compile=False.") from err
+    if not supported:  # pragma: no cover - e.g. a Python newer than this torch supports
+        raise CompileError(
+            f"torch.compile does not support this Python with torch {torch.__version__}; pass compile=False."
+        )
+
+
+# ----------------------------------------------------------------------------- graph bodies
+def decode_and_sample(
+    model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor, noise: Tensor | None, params: SamplingParams
+) -> Tensor:
+    """One decode step for the whole batch and the next tokens (the body of the compiled decode step).
+
+    Args:
+        model: The model.
+        cache: The generation's cache (written in place).
+        tokens: ``(batch,)`` newest tokens.
+        positions: ``(batch,)`` their positions.
+        noise: Race noise for sampling (None when greedy).
+        params: Sampling parameters (constants of the graph).
+
+    Returns:
+        ``(batch,)`` int64 next tokens.
+    """
+    logits = model.decode_step(tokens, positions, cache)
+    return sample_next(logits, params, noise=noise)
+
+
+def select_keep_static(
+    scores: Tensor, pos: Tensor, n_prefix: Tensor, t: Tensor, n_recent: int, keep_total: Tensor, K: int
+) -> tuple[Tensor, Tensor]:
+    """:func:`beaconkv.policies.select_keep` with the keep count ``K = max(keep_total)`` given by the host.
+
+    ``select_keep`` reads ``K`` from the device (a sync and a data-dependent shape); here it is a Python
+    int the schedule already knows, so the function has static shapes. Same arguments and results.
+    """
+    filled = pos >= 0
+    protected = filled & ((pos < n_prefix[:, None, None]) | (pos > (t - n_recent)[:, None, None]))
+    key = torch.where(protected, math.inf, scores.float())
+    key = torch.where(filled, key, -math.inf)
+    key = torch.nan_to_num(key, nan=-1e30, posinf=math.inf)
+    # stable sort: first newest-first by position, then by score descending
+    by_pos = torch.argsort(pos, dim=-1, descending=True, stable=True)
+    order = torch.gather(
+        by_pos, -1, torch.argsort(torch.gather(key, -1, by_pos), dim=-1, descending=True, stable=True)
+    )
+    top = order[..., :K]
+    ranks = torch.arange(K, device=pos.device)
+    valid = (ranks[None, None, :] < keep_total[:, None, None]) & torch.gather(filled, -1, top)
+    top_pos = torch.where(valid, torch.gather(pos, -1, top), torch.iinfo(torch.long).max)
+    resort = torch.argsort(top_pos, dim=-1, stable=True)
+    return torch.gather(top, -1, resort), torch.gather(valid, -1, resort)
+
+
+def beacon_scores(
+    policy: BeaconKV, cache: LayerKVCache, rows: Tensor, t: Tensor, recent_lo: Tensor, beacons: QuerySet
+) -> Tensor:
+    """:meth:`BeaconKV.score` with the recent window's bound and the layer's beacons passed in.
+
+    BeaconKV's own ``score`` builds the bound from host lists (``rows.tolist()``), which a graph cannot.
+
+    Args:
+        policy: The BeaconKV policy.
+        cache: The layer's cache.
+        rows: ``(b,)`` batch indices.
+        t: ``(b,)`` newest positions.
+        recent_lo: ``(b,)`` exclusive lower bound of the recent queries' positions.
+        beacons: The layer's frozen beacons (all rows).
+
+    Returns:
+        ``(b, kv_heads, capacity)`` scores.
+    """
+    beacons = beacons.rows(rows)
+    recent = ring_set(cache, rows, (t - policy.n_recent) if policy.static_beacons else recent_lo, t)
+    nb = beacons.q.shape[2]
+    b_pos = t[:, None].expand(-1, nb)  # beacons look from the current step
+    rope = policy.rope
+    q_rot = torch.cat([rope.rotate(beacons.q, b_pos), rope.rotate(recent.q, recent.pos[:, 0])], dim=2)
+    q_mask = torch.cat([beacons.valid[:, 0], recent.valid[:, 0]], dim=1)
+    q_pos = torch.cat([b_pos, recent.pos[:, 0]], dim=1)
+    pos = cache.pos[rows]
+    w = attention_probs(q_rot, q_mask, cache.k[rows], pos >= 0, cache.head_dim**-0.5, q_pos, pos)
+    per_head = reduce_queries(w, q_mask, policy.aggregation, policy.temperature)  # (b, kv_heads, group, C)
+    return reduce_group(per_head, policy.aggregation, policy.temperature)
+
+
+def evict_layer(
+    policy: EvictionPolicy, layer_idx: int, cache: LayerKVCache, rows: Tensor, t: Tensor, n_prefix: Tensor,
+    keep_total: Tensor, recent_lo: Tensor, beacons: QuerySet | None, K: int,
+) -> None:
+    """Scores, selects and compacts some rows of one layer (the body of the per-layer eviction step).
+
+    Args:
+        policy: The policy (its ``score`` must be free of host reads; BeaconKV goes through
+            :func:`beacon_scores`).
+        layer_idx: Layer index (handed to ``policy.score``).
+        cache: The layer's cache (compacted in place).
+        rows: ``(b,)`` batch indices.
+        t: ``(b,)`` newest positions.
+        n_prefix: ``(b,)`` protected prefix lengths.
+        keep_total: ``(b,)`` slots each row keeps.
+        recent_lo: ``(b,)`` BeaconKV's recent-window bound (unused by other policies).
+        beacons: BeaconKV's beacons of this layer; None for other policies.
+        K: ``max(keep_total)``, known on the host.
+    """
+    if beacons is not None:
+        scores = beacon_scores(policy, cache, rows, t, recent_lo, beacons)  # type: ignore[arg-type]
+    else:
+        scores = policy.score(layer_idx, cache, rows, t)
+    keep, keep_valid = select_keep_static(scores, cache.pos[rows], n_prefix, t, policy.n_recent, keep_total, K)
+    cache.compact(rows, keep, keep_valid)
+
+
+def evict_model(
+    policy: EvictionPolicy, cache: KVCache, rows: Tensor, t: Tensor, n_prefix: Tensor, keep_total: Tensor,
+    recent_lo: Tensor, K: int,
+) -> None:
+    """:func:`evict_layer` over every layer, as one graph (what a CUDA graph replays in one launch)."""
+    for i, layer in enumerate(cache.layers):
+        beacons = policy.beacons[i] if isinstance(policy, BeaconKV) else None
+        evict_layer(policy, i, layer, rows, t, n_prefix, keep_total, recent_lo, beacons, K)
+
+
+def select_queries(sampler: Any, q: Tensor, pos: Tensor, valid: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:meth:`QuerySet.select` for query sets with any leading axes (the body of the compiled sampler step).
+
+    BeaconKV's maintenance hands it the sets of *all* layers stacked, ``(layers, b, heads, S, head_dim)``,
+    so one FPS call (``k`` iterations) replaces one per layer.
+
+    Returns:
+        ``(q, pos, valid)`` of the ``k`` chosen entries per leading index.
+    """
+    idx, ok = sampler.select(q, k, valid)  # (..., k)
+    chosen = torch.gather(q, -2, idx.unsqueeze(-1).expand(*idx.shape, q.shape[-1]))
+    return chosen, torch.where(ok, torch.gather(pos, -1, idx), -1), ok & torch.gather(valid, -1, idx)
+
+
+# ----------------------------------------------------------------------------- driver
+_COMPILED: dict[tuple[str, CompileConfig, str], Callable[..., Any]] = {}
+
+
+def compiled(fn: Callable[..., Any], config: CompileConfig, device: torch.device) -> Callable[..., Any]:
+    """The ``torch.compile`` wrapper of one graph body, shared by every generation with the same settings.
+
+    Dynamo keeps one set of graphs per body and guards on shapes, dtypes and the policy's settings,
+    so later generations with the same shapes reuse the compiled code.
+    """
+    key = (fn.__name__, config, device.type)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, **config.options(device))
+    return _COMPILED[key]
+
+
+@contextlib.contextmanager
+def compile_guard(what: str) -> Iterator[None]:
+    """Turns a dynamo/inductor failure into :class:`CompileError` naming the step.
+
+    Dynamo's recompile limit is raised to :data:`RECOMPILE_LIMIT`, and hitting it raises too, instead
+    of silently running the step eagerly.
+    """
+    import torch._dynamo as dynamo
+
+    try:
+        with dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            yield
+    except (dynamo.exc.TorchDynamoException, dynamo.exc.FailOnRecompileLimitHit) as err:
+        raise CompileError(
+            f"torch.compile(fullgraph=True) failed on the {what}: {type(err).__name__}: {str(err).strip()[:2000]}\n"
+            "Nothing fell back to eager; pass compile=False to decode eagerly."
+        ) from err
+
+
+def mark_static(cache: KVCache, policy: EvictionPolicy) -> None:
+    """Marks the buffers the graphs write in place as static addresses, so CUDA graphs write them in place.
+
+    That is every buffer of ``cache`` and, for BeaconKV, its per-layer query sets. ``guard=False``: a
+    new cache (the next generation) makes the CUDA graphs re-record, not recompile.
+    """
+    tensors: list[Tensor] = []
+    for layer in cache.layers:
+        tensors += [layer.k, layer.v, layer.pos, layer.length, layer.queries, layer.query_pos,
+                    *layer.slot_buffers.values()]
+    if isinstance(policy, BeaconKV) and policy.sampler.bounded:
+        for sets in (policy.obs, policy.beacons):
+            tensors += [t for s in sets for t in (s.q, s.pos, s.valid)]
+    for t in tensors:
+        torch._dynamo.mark_static_address(t, guard=False)
+
+
+class CompiledDecoding:
+    """The compiled steps of one generation, bound to its model, cache and policy.
+
+    Construct after :meth:`EvictionPolicy.start`; call :meth:`step` once per decode step and
+    :meth:`close` at the end. While bound, the policy's ``evict`` (and BeaconKV's ``_compress``,
+    ``_freeze``, ``_roll``) are routed through the compiled steps for full-batch schedules and back to
+    the policy's own methods otherwise; :meth:`close` removes the routing.
+
+    Args:
+        config: Compilation settings.
+        model: The model.
+        cache: The generation's cache.
+        policy: The generation's policy (its ``evict`` is routed through the compiled eviction step).
+        params: Sampling parameters.
+
+    Attributes:
+        compiled_evictions: Evictions that ran as the compiled step.
+        eager_evictions: Evictions that ran eagerly (partial rows, telemetry, unknown ``evict``).
+    """
+
+    def __init__(
+        self, config: CompileConfig, model: CausalLM, cache: KVCache, policy: EvictionPolicy, params: SamplingParams
+    ) -> None:
+        check_compile_available()
+        self.config, self.model, self.cache, self.policy, self.params = config, model, cache, policy, params
+        self.device = cache[0].pos.device
+        self.batch = cache[0].batch
+        self.vocab = model.lm_head.weight.shape[0]
+        self.cuda_graphs = config.cuda_graphs(self.device)
+        if self.cuda_graphs:
+            mark_static(cache, policy)
+        self._decode = compiled(decode_and_sample, config, self.device)
+        layerwise = config.layerwise_eviction
+        self._layerwise = (not self.cuda_graphs) if layerwise is None else layerwise
+        self.compiled_evictions = 0
+        self.eager_evictions = 0
+        self._policy_evict = policy.evict  # the policy's own (bound) evict, for the eager cases
+        self._beacon = isinstance(policy, BeaconKV) and type(policy).evict is BeaconKV.evict
+        known = type(policy).evict in (EvictionPolicy.evict, BeaconKV.evict)
+        self._evict_compiled = config.eviction and policy.budget is not None and known and not policy.telemetry
+        if self._evict_compiled:
+            policy.evict = self._evict  # type: ignore[method-assign]
+        self._maintain = self._beacon and config.maintenance and policy.sampler.bounded and not policy.telemetry
+        if self._maintain:
+            policy._compress = self._compress  # type: ignore[method-assign]
+            policy._freeze = self._freeze  # type: ignore[method-assign]
+            policy._roll = self._roll  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        """Restores the policy's own methods."""
+        for name in ("evict", "_compress", "_freeze", "_roll"):
+            self.policy.__dict__.pop(name, None)
+
+    # ------------------------------------------------------------------ decode
+    def step(self, tokens: Tensor, positions: Tensor, generator: torch.Generator | None) -> Tensor:
+        """Runs the compiled decode step; returns the next tokens ``(batch,)`` (a fresh tensor).
+
+        Args:
+            tokens: ``(batch,)`` newest tokens.
+            positions: ``(batch,)`` their positions.
+            generator: Sampling generator (race noise is drawn from it outside the graph).
+        """
+        noise = None if self.params.greedy else race_noise(self.batch, self.vocab, self.device, generator)
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with compile_guard("decode step"):
+            out = self._decode(self.model, self.cache, tokens, positions, noise, self.params)
+        return out.clone()  # a CUDA-graph output is overwritten by the next replay
+
+    # ---------------------------------------------------------------- eviction
+    def _full_batch(self, rows: list[int]) -> bool:
+        return len(rows) == self.batch and list(rows) == list(range(self.batch))
+
+    def _host(self, values: list[int]) -> Tensor:
+        return torch.tensor(values, device=self.device)
+
+    def _evict(self, rows: list[int]) -> None:
+        """The policy's ``evict`` with the per-layer work as one compiled step (full-batch evictions)."""
+        p = self.policy
+        if not self._full_batch(rows):
+            self.eager_evictions += 1
+            return self._policy_evict(rows)
+        if self._beacon:  # BeaconKV.evict: rows still accumulating freeze first (only when n_recent == 0)
+            unfrozen = [b for b in rows if p.phase[b] == "accumulate"]
+            if unfrozen:
+                p._freeze(unfrozen)
+        t0 = time.perf_counter()
+        kept = p.keep_count(rows) if hasattr(p, "keep_count") else [p.b_min] * len(rows)
+        totals = [p.prefix[b] + k for b, k in zip(rows, kept)]
+        recent = [p.recent_since[b] for b in rows] if self._beacon else [0] * len(rows)
+        args = (self._host(rows), self._host([p.t[b] for b in rows]), self._host([p.prefix[b] for b in rows]),
+                self._host(totals), self._host(recent), max(totals))
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with compile_guard(f"eviction step of {type(p).__name__}"):
+            if self._layerwise:
+                step = compiled(evict_layer, self.config, self.device)
+                for i, layer in enumerate(self.cache.layers):
+                    step(p, i, layer, *args[:-1], p.beacons[i] if self._beacon else None, args[-1])
+            else:
+                compiled(evict_model, self.config, self.device)(p, self.cache, *args)
+        for b, k in zip(rows, kept):
+            p.count[b] = k
+            p.stats.evictions[b] += 1
+        self.compiled_evictions += 1
+        p.after_evict(rows)
+        p.stats.eviction_seconds += time.perf_counter() - t0
+
+    # ------------------------------------------------------------- maintenance
+    # BeaconKV's host-side steps 2, 3 and 6 for full-batch schedules: the query sets of all layers are
+    # gathered eagerly (a few small copies), sampled by one compiled FPS over every layer at once, and
+    # written back; the host bookkeeping mirrors BeaconKV._compress/_freeze/_roll.
+    def _resample(self, sources: list[QuerySet], targets: list[QuerySet], rows: list[int], lo: list[int], k: int,
+                  what: str) -> None:
+        p = self.policy
+        rows_t, lo_t, hi_t = self._host(rows), self._host(lo), self._host([p.t[b] for b in rows])
+        sets = [QuerySet.cat(src.rows(rows_t), ring_set(self.cache[i], rows_t, lo_t, hi_t))
+                for i, src in enumerate(sources)]
+        q, pos, valid = (torch.stack([getattr(s, f) for s in sets]) for f in ("q", "pos", "valid"))
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with compile_guard(f"BeaconKV {what} (query sampler)"):
+            q, pos, valid = compiled(select_queries, self.config, self.device)(p.sampler, q, pos, valid, k)
+        for i, target in enumerate(targets):  # consumed before the next replay may overwrite them
+            target.assign(rows_t, QuerySet(q[i], pos[i], valid[i]))
+
+    def _compress(self, rows: list[int]) -> None:
+        p = self.policy
+        if not self._full_batch(rows):
+            return type(p)._compress(p, rows)
+        self._resample(p.obs, p.obs, rows, [p.obs_since[b] for b in rows], p.q_min, "compression")
+        for b in rows:
+            total = p.obs_count[b] + p.t[b] - p.obs_since[b]
+            p.obs_count[b] = min(total, p.q_min)
+            p.obs_since[b] = p.t[b]
+
+    def _freeze(self, rows: list[int]) -> None:
+        p = self.policy
+        if not self._full_batch(rows):
+            return type(p)._freeze(p, rows)
+        self._resample(p.obs, p.beacons, rows, [p.obs_since[b] for b in rows], p.n_beacon, "freeze")
+        for b in rows:
+            # past the freeze point already (prefill): the newest prompt queries count as recent
+            overshoot = p.count[b] - (p.budget - p.n_recent)
+            p.recent_since[b] = p.t[b] - min(max(overshoot, 0), p.n_recent)
+            if p.phase[b] != "static":
+                p.phase[b] = "frozen"
+
+    def _roll(self, rows: list[int]) -> None:
+        p = self.policy
+        if not self._full_batch(rows):
+            return type(p)._roll(p, rows)
+        self._resample(p.beacons, p.obs, rows, [p.recent_since[b] for b in rows], p.q_min, "roll")
+        rows_t = self._host(rows)
+        for beacons in p.beacons:
+            beacons.q[rows_t] = 0
+            beacons.pos[rows_t] = -1
+            beacons.valid[rows_t] = False
+        for b in rows:
+            n_recent = p.t[b] - p.recent_since[b]
+            p.obs_count[b] = min(p.n_beacon + n_recent, p.q_min)
+            p.obs_since[b] = p.t[b]
+            p.phase[b] = "accumulate"

@@ -1,0 +1,338 @@
+"""The paper's Table 4: peak memory, tokens/s and step latency of FullKV vs BeaconKV, each at the
+largest batch that fits a memory limit.
+
+The paper's setting is Qwen3-4B generating 32K tokens on an 80 GB A100 (FullKV: batch 14, 77.0 GB,
+82.3 tok/s; BeaconKV at budget 2048: 13.3 GB, 356.4 tok/s). Here:
+
+* **GPU**: a Qwen3-4B-*shaped* model with random weights (:func:`qwen3_4b_config`; nothing to
+  download — speed and memory do not depend on the weights), bf16, caches sized for
+  ``--generation-tokens`` (32768);
+* **CPU scale**: the embedded SmolLM2-135M, a shorter generation and a smaller limit.
+
+Procedure per policy: the cache a whole generation needs is allocated up front (FullKV:
+``prompt + generation_tokens`` slots; BeaconKV: ``prompt + budget``), so its memory is the real
+peak. The batch is the largest whose predicted peak fits the limit: cache bytes are exact,
+everything else (weights, activations, workspace) is fitted from two short eager runs; on CUDA a
+run that still runs out of memory retries with a smaller batch. Each policy then decodes from a
+short prompt; step times are measured over whole eviction cycles of the steady state (BeaconKV:
+after the budget filled and one eviction compiled; FullKV: as many steps), so compilation never
+lands in a timed step. Memory: CUDA peak allocated over the whole run; on CPU the peak resident
+memory over the timed steps minus the resident memory before the model was loaded (so the Python
+process and compiler are not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import beaconkv
+from beaconkv.compile import CompileConfig
+from beaconkv.generation import GenerationOutput
+from beaconkv.models.config import ModelConfig, RopeConfig
+from beaconkv.models.decoder import CausalLM, build_model
+from beaconkv.models.rope import rope_inverse_frequencies
+from beaconkv.policies import make_policy
+
+from .speed import (
+    DTYPES,
+    PeakMemory,
+    StepRecorder,
+    _rss_bytes,
+    kv_bytes_per_token,
+    random_prompts,
+)
+
+#: The paper's Table 4 (Qwen3-4B, 32K generation, A100 80 GB) for reference.
+PAPER_TABLE4 = {"full": {"batch": 14, "peak_gb": 77.0, "tokens_per_s": 82.3},
+                "beacon": {"budget": 2048, "peak_gb": 13.3, "tokens_per_s": 356.4}}
+
+
+def qwen3_4b_config() -> ModelConfig:
+    """The architecture of Qwen3-4B (36 layers, hidden 2560, 32 query / 8 KV heads of 128, vocab 151936)."""
+    return ModelConfig(
+        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True, rope=RopeConfig(theta=1e6),
+    )
+
+
+def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> CausalLM:
+    """Builds ``config`` with random weights directly in ``dtype`` on ``device`` (no float32 copy).
+
+    Linear and embedding weights are ``N(0, 0.02)``, norms 1: logits of a plausible scale, so the
+    generated ids are as varied as a real model's (speed and memory do not depend on the values).
+    """
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = build_model(config)
+    g = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        state[name] = t.fill_(1.0) if "norm" in name else t.normal_(0.0, 0.02, generator=g)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rope.inv_freq = rope_inverse_frequencies(config.rope, config.head_dim)[0].to(device)
+    return model.eval()
+
+
+@dataclass
+class Table4Row:
+    """One policy of the table.
+
+    Attributes:
+        policy: ``full`` or ``beacon``.
+        budget: BeaconKV's budget (None for FullKV).
+        batch: The largest batch that fits (or the batch asked for).
+        cache_capacity: Slots per (sequence, KV head).
+        kv_cache_bytes: Keys and values allocated.
+        peak_bytes: Peak memory (see the module docstring).
+        predicted_bytes: The fitted prediction the batch was chosen with (0 for a fixed batch).
+        ms_per_step: Steady-state decode latency per step (one token for every sequence).
+        tokens_per_s: ``batch * 1000 / ms_per_step``.
+        evictions: Evictions per sequence during the run.
+    """
+
+    policy: str
+    budget: int | None
+    batch: int
+    cache_capacity: int
+    kv_cache_bytes: int
+    peak_bytes: int
+    predicted_bytes: int
+    ms_per_step: float
+    tokens_per_s: float
+    evictions: int
+
+
+def _oom_types() -> tuple[type[BaseException], ...]:
+    return (torch.cuda.OutOfMemoryError,) if torch.cuda.is_available() else ()
+
+
+def _timed_run(model: CausalLM, policy_name: str, budget: int, batch: int, prompt_tokens: int,
+               generation_tokens: int, cycles: int, compile_config: CompileConfig | None,
+               rss_zero: int) -> tuple[GenerationOutput, float, int]:
+    """Decodes one policy with the cache of a ``generation_tokens`` generation; returns the output, the
+    steady-state ms/step and the peak memory (see the module docstring)."""
+    device = model.lm_head.weight.device
+    policy = make_policy(policy_name, budget=None if policy_name == "full" else budget)
+    gap = budget - math.floor(policy.ratio * budget)
+    # BeaconKV: fill the budget, one eviction cycle (compiles the eviction), then `cycles` timed
+    # cycles; FullKV: a few warm-up steps (compile), then as many timed steps
+    warm = budget - 1 + gap if policy_name != "full" else 8
+    timed = cycles * gap
+    mem = PeakMemory(device)
+    cpu_window = device.type != "cuda"
+
+    def on_step(step: int) -> None:
+        if cpu_window and step == warm - 1:
+            mem.__enter__()  # the timed steps start: measure from here (compilation is over)
+
+    rec = StepRecorder(policy, device, on_step)
+    with contextlib.ExitStack() as stack:
+        stack.callback(rec.close)
+        if not cpu_window:
+            stack.enter_context(mem)
+        out = beaconkv.generate(model, None, random_prompts(batch, prompt_tokens, model.config.vocab_size),
+                                max_new_tokens=warm + timed + 1, capacity_tokens=max(generation_tokens, warm + timed + 1),
+                                eos_token_ids=[], policy=policy, compile=compile_config or False)
+    if cpu_window:
+        mem.__exit__()
+    durations, _, _ = rec.window(warm, warm + timed - 1)
+    peak = mem.peak if not cpu_window else mem.peak - rss_zero
+    return out, 1e3 * sum(durations) / len(durations), peak
+
+
+def _fit(model: CausalLM, policy_name: str, budget: int, prompt_tokens: int, probe: tuple[int, int],
+         rss_zero: int) -> tuple[float, float]:
+    """Fits ``peak - cache bytes = base + per_seq * batch`` from two short eager runs."""
+    device = model.lm_head.weight.device
+    pts = []
+    for b in probe:
+        policy = make_policy(policy_name, budget=None if policy_name == "full" else budget)
+        with PeakMemory(device) as mem:
+            out = beaconkv.generate(model, None, random_prompts(b, prompt_tokens, model.config.vocab_size),
+                                    max_new_tokens=4, eos_token_ids=[], policy=policy)
+        peak = mem.peak if device.type == "cuda" else mem.peak - rss_zero
+        pts.append((b, peak - out.stats.cache_bytes))
+    (b1, m1), (b2, m2) = pts
+    per_seq = max((m2 - m1) / (b2 - b1), 0.0)
+    return m1 - per_seq * b1, per_seq
+
+
+def measure_table4(
+    model: CausalLM, budget: int, generation_tokens: int, memory_limit: float, prompt_tokens: int = 64,
+    cycles: int = 2, batch: int | None = None, max_batch: int = 64, compile_config: CompileConfig | None = None,
+    rss_zero: int = 0, log: Callable[[str], None] = print,
+) -> list[Table4Row]:
+    """Measures FullKV and BeaconKV(``budget``) at the largest batch each fits in ``memory_limit`` bytes.
+
+    Args:
+        model: The model.
+        budget: BeaconKV's budget.
+        generation_tokens: Generation length the caches are sized for (FullKV: ``prompt + this``).
+        memory_limit: Bytes available (CUDA: allocated; CPU: resident above ``rss_zero``).
+        prompt_tokens: Prompt length.
+        cycles: Timed eviction cycles (``budget - B_min`` steps each).
+        batch: A fixed batch instead of the search.
+        max_batch: Upper bound of the search.
+        compile_config: Compile the steps (None: eager).
+        rss_zero: CPU resident bytes before the model was loaded.
+        log: Progress messages.
+
+    Returns:
+        One row per policy (FullKV first).
+    """
+    device = model.lm_head.weight.device
+    dtype = model.lm_head.weight.dtype
+    per_token = kv_bytes_per_token(model.config, dtype)
+    rows = []
+    for name in ("full", "beacon"):
+        capacity = prompt_tokens + (generation_tokens if name == "full" else budget)
+        predicted = 0
+        b = batch
+        if b is None:
+            base, per_seq = _fit(model, name, budget, prompt_tokens, (1, 2) if device.type == "cuda" else (1, 4),
+                                 rss_zero)
+            seq_bytes = per_seq + capacity * per_token
+            b = int(max(1, min(max_batch, (memory_limit - base) // seq_bytes)))
+            predicted = int(base + b * seq_bytes)
+            log(f"  {name}: base {base / 2**30:.2f} GiB + {seq_bytes / 2**20:.1f} MiB/sequence -> batch {b} "
+                f"(predicted {predicted / 2**30:.2f} GiB of {memory_limit / 2**30:.2f})")
+        while True:
+            try:
+                t0 = time.perf_counter()
+                out, ms, peak = _timed_run(model, name, budget, b, prompt_tokens, generation_tokens, cycles,
+                                           compile_config, rss_zero)
+                break
+            except _oom_types():
+                if batch is not None or b == 1:
+                    raise
+                b = max(1, int(b * 0.9))
+                log(f"  {name}: out of memory, retrying with batch {b}")
+                torch.cuda.empty_cache()
+        s = out.stats
+        rows.append(Table4Row(name, None if name == "full" else budget, b, s.cache_capacity, s.cache_bytes, peak,
+                              predicted, ms, b * 1e3 / ms, s.evictions[0]))
+        log(f"  {name}: batch {b}, capacity {s.cache_capacity}, KV {s.cache_bytes / 2**30:.2f} GiB, peak "
+            f"{peak / 2**30:.2f} GiB, {ms:.1f} ms/step, {b * 1e3 / ms:.1f} tok/s ({time.perf_counter() - t0:.0f} s)")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def markdown_table4(result: dict[str, Any]) -> str:
+    """The table in the paper's layout, from :func:`run_table4_section`'s result."""
+    rows = result["rows"]
+    full = next((r for r in rows if r["policy"] == "full"), None)
+    lines = [(f"**Table 4** ({result['model']}, {result['dtype']}, caches sized for a "
+              f"{result['generation_tokens']}-token generation, memory limit {result['memory_limit_gib']:.1f} GiB, "
+              f"{result['mode']}; memory = {result['memory']}):"), "",
+             "| method | batch | KV cache GiB | peak memory GiB | tokens/s | ms/step | memory vs FullKV | tokens/s vs FullKV |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        name = "FullKV" if r["policy"] == "full" else f"BeaconKV ({r['budget']})"
+        mem_x = f"{full['peak_bytes'] / r['peak_bytes']:.1f}x less" if full and r is not full else "—"
+        tps_x = f"{r['tokens_per_s'] / full['tokens_per_s']:.1f}x" if full and r is not full else "—"
+        lines.append(f"| {name} | {r['batch']} | {r['kv_cache_bytes'] / 2**30:.2f} | {r['peak_bytes'] / 2**30:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['ms_per_step']:.1f} | {mem_x} | {tps_x} |")
+    lines += ["", ("Paper (Qwen3-4B, 32K tokens, A100 80 GB): FullKV batch 14, 77.0 GB, 82.3 tok/s; "
+                   "BeaconKV(2048) 13.3 GB (5.8x less), 356.4 tok/s (4.3x).")]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def add_table4_arguments(parser: argparse.ArgumentParser | Any, prefix: str = "") -> None:
+    """Adds the Table-4 options (``--<prefix>model`` ...) to a parser or argument group.
+
+    Args:
+        parser: A parser or argument group.
+        prefix: Prepended to every option name (``"table4-"`` inside ``beaconkv bench``).
+    """
+    p = prefix
+    parser.add_argument(f"--{p}model", default="embedded",
+                        help="'embedded' (SmolLM2-135M), 'qwen3-4b' (random weights, Qwen3-4B shape) or a checkpoint")
+    parser.add_argument(f"--{p}dtype", default=None,
+                        help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU, where bf16 matmuls are slow)")
+    parser.add_argument(f"--{p}generation-tokens", type=int, default=None,
+                        help="generation the caches are sized for (default: 32768 on CUDA, 2048 on CPU)")
+    parser.add_argument(f"--{p}budget", type=int, default=None, help="BeaconKV budget (default: 2048 CUDA, 256 CPU)")
+    parser.add_argument(f"--{p}memory-limit-gb", type=float, default=None,
+                        help="memory limit in GiB (default: 80 on CUDA, 1.0 on CPU)")
+    parser.add_argument(f"--{p}batch", type=int, default=None, help="a fixed batch instead of the largest that fits")
+    parser.add_argument(f"--{p}max-batch", type=int, default=64, help="upper bound of the batch search (default 64)")
+    parser.add_argument(f"--{p}cycles", type=int, default=2, help="timed eviction cycles (default 2)")
+    parser.add_argument(f"--{p}eager", action="store_true", help="decode eagerly instead of compiled")
+
+
+def run_table4_section(args: argparse.Namespace, device: torch.device, compile_config: CompileConfig,
+                       log: Callable[[str], None] = print, prefix: str = "") -> dict[str, Any]:
+    """Runs the table from parsed arguments (see :func:`add_table4_arguments`; ``prefix`` with ``_``).
+
+    Returns:
+        A JSON-able dict: settings and ``rows``.
+    """
+    def opt(name: str) -> Any:
+        return getattr(args, prefix + name)
+
+    cuda = device.type == "cuda"
+    rss_zero = 0 if cuda else _rss_bytes()
+    dname = opt("dtype") or ("bf16" if cuda else "fp32")
+    dtype = DTYPES[dname]
+    which = opt("model")
+    if which == "qwen3-4b":
+        model, label = random_model(qwen3_4b_config(), dtype, device), "Qwen3-4B-shaped, random weights"
+    else:
+        path = beaconkv.embedded_model_path() if which == "embedded" else which
+        model = beaconkv.load_model(path, dtype=dtype, device=device)
+        label = "SmolLM2-135M (embedded)" if which == "embedded" else Path(which).name
+    gen = opt("generation_tokens") or (32768 if cuda else 2048)
+    budget = opt("budget") or (2048 if cuda else 256)
+    limit = (opt("memory_limit_gb") or (80.0 if cuda else 1.0)) * 2**30
+    cc = None if opt("eager") else compile_config
+    rows = measure_table4(model, budget, gen, limit, cycles=opt("cycles"), batch=opt("batch"),
+                          max_batch=opt("max_batch"), compile_config=cc, rss_zero=rss_zero, log=log)
+    return {"model": label, "dtype": dname, "generation_tokens": gen, "budget": budget,
+            "memory_limit_gib": limit / 2**30, "mode": "eager" if cc is None else "compiled",
+            "memory": "peak allocated (whole run)" if cuda else "peak RSS over the timed steps, above the pre-load RSS",
+            "rows": [asdict(r) for r in rows]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m beaconkv.measure.table4``: the table alone, printed as markdown (and JSON with ``--out``)."""
+    parser = argparse.ArgumentParser(prog="python -m beaconkv.measure.table4", description=__doc__.splitlines()[0])
+    add_table4_arguments(parser)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--out", type=Path, default=None, help="write table4.json and table4.md here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    result = run_table4_section(args, device, CompileConfig(), lambda m: print(m, file=sys.stderr, flush=True))
+    text = markdown_table4(result)
+    print(text)
+    if args.out:
+        import json
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "table4.json").write_text(json.dumps(result, indent=1))
+        (args.out / "table4.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

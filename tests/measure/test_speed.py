@@ -1,0 +1,127 @@
+"""``beaconkv bench`` and Table 4: the run end to end on a tiny model, the bookkeeping of step windows,
+memory and targets. Nothing here asserts on a timing."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import beaconkv
+from beaconkv.cli import build_parser
+from beaconkv.measure.speed import (
+    PeakMemory,
+    StepRecorder,
+    ThroughputRow,
+    evaluate_targets,
+    kv_bytes_per_token,
+    run_bench,
+    weight_bytes_per_step,
+)
+from beaconkv.measure.table4 import (
+    markdown_table4,
+    measure_table4,
+    qwen3_4b_config,
+    random_model,
+)
+from beaconkv.policies import BeaconKV
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return beaconkv.load_model(tiny_models["llama"][0])
+
+
+def test_quick_bench_runs_end_to_end(tiny_models, tmp_path):
+    argv = ["bench", "--quick", "--model", str(tiny_models["llama"][0]), "--threads", "1", "--compile-backend",
+            "aot_eager", "--no-transformers-compile", "--out", str(tmp_path)]
+    args = build_parser(load={"bench"}).parse_args(argv)
+    assert run_bench(args) == 0
+    res = json.loads((tmp_path / "bench.json").read_text())
+    impls = {r["impl"] for r in res["throughput"]}
+    assert impls == {"beaconkv eager", "beaconkv compiled", "transformers eager"}
+    assert all(not r["error"] and r["tokens_per_s"] > 0 and 0 < r["roofline"] for r in res["throughput"])
+    assert [p["context"] for p in res["curve"]] == [64, 128]
+    pol = {r["policy"]: r for r in res["policies"]}
+    assert set(pol) == {"full", "beacon", "snapkv"}
+    # quick: budget 128 (an eviction every 16 steps), timed over 2 cycles after the first eviction
+    assert pol["beacon"]["cache_capacity"] == 16 + 128 < pol["full"]["cache_capacity"] == 16 + 127 + 16 + 32 + 1
+    assert pol["beacon"]["evictions"] == pol["beacon"]["compiled_evictions"] == 3 and pol["full"]["evictions"] == 0
+    assert 0 < pol["beacon"]["eviction_share"] <= pol["beacon"]["policy_share"] < 1
+    assert {t["name"].split(" (")[0] for t in res["targets"]} >= {"compiled / transformers eager tok/s"}
+    assert (tmp_path / "cost_curve.png").stat().st_size > 0
+    assert "| beaconkv compiled | fp32 | 1 |" in (tmp_path / "bench.md").read_text()
+
+
+def test_byte_counts(llama):
+    c = llama.config
+    assert kv_bytes_per_token(c, torch.bfloat16) == c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2
+    params = sum(p.nbytes for p in llama.parameters())  # untied: the embedding is only gathered
+    emb = llama.model.embed_tokens.weight
+    assert weight_bytes_per_step(llama, 3) == params - emb.nbytes + 3 * emb.shape[1] * 4
+
+
+def test_peak_memory_sees_an_allocation():
+    with PeakMemory("cpu") as mem:
+        x = torch.ones(64 << 18)  # 64 MiB, touched
+        x += 1
+        del x
+    assert mem.increase >= 48 << 20
+
+
+def test_step_recorder_windows(llama):
+    policy = BeaconKV(128)
+    rec = StepRecorder(policy, torch.device("cpu"))
+    out = beaconkv.generate(llama, None, [[5, 6, 7]], max_new_tokens=150, eos_token_ids=[], policy=policy)
+    rec.close()
+    assert "after_decode_step" not in vars(policy)
+    assert len(rec.ends) == out.stats.decode_steps == 149
+    durations, evictions, policy_s = rec.window(127)  # the hook of step 127 holds the first eviction
+    assert len(durations) == len(evictions) == len(policy_s) == 149 - 127
+    assert evictions[0] > 0 and sum(e > 0 for e in evictions) == out.stats.evictions[0] == 2
+    assert all(p >= e for p, e in zip(policy_s, evictions))
+
+
+def test_targets_are_checked_against_results():
+    def row(impl, tps, roof):
+        return vars(ThroughputRow(impl, "bf16", 1, 1e3 / tps, tps, 0, 1.0, roof, ""))
+
+    res = {"throughput": [row("beaconkv compiled", 30.0, 0.5), row("transformers eager", 15.0, 0.2)],
+           "curve": [{"context": 512, "full_ms": 1, "beacon_ms": 10.0, "full_capacity": 512, "beacon_capacity": 320},
+                     {"context": 4096, "full_ms": 5, "beacon_ms": 12.0, "full_capacity": 4096, "beacon_capacity": 320}],
+           "policies": [{"policy": "beacon", "ms_per_step": 10.3}, {"policy": "snapkv", "ms_per_step": 10.0},
+                        {"policy": "rpc", "ms_per_step": 9.0}]}
+    got = {t.name.split(" (")[0]: (t.value, t.met) for t in evaluate_targets(res)}
+    assert got["compiled / transformers eager tok/s"] == (2.0, True)
+    assert got["compiled roofline ratio"] == (0.5, True)
+    assert got["BeaconKV step time at 4096 / at 512"] == (pytest.approx(1.2), False)
+    assert got["BeaconKV / snapkv steady-state ms/step"][1] and not got["BeaconKV / rpc steady-state ms/step"][1]
+
+
+def test_qwen3_4b_shape_and_random_model():
+    c = qwen3_4b_config()
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
+        36, 2560, 32, 8, 128)
+    assert kv_bytes_per_token(c, torch.bfloat16) == 147456  # 144 KiB per token
+    small = type(c)(**{**vars(c), "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 96,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 97})
+    model = random_model(small, torch.bfloat16, "cpu")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    out = beaconkv.generate(model, None, [[5, 6, 7]], max_new_tokens=4, eos_token_ids=[])
+    assert len(out.token_ids[0]) == 4
+
+
+def test_table4_at_a_fixed_batch(llama):
+    rows = measure_table4(llama, budget=128, generation_tokens=512, memory_limit=1 << 30, prompt_tokens=8,
+                          cycles=1, batch=2, log=lambda m: None)
+    full, beacon = rows
+    assert (full.policy, full.batch, full.cache_capacity) == ("full", 2, 8 + 512)
+    assert (beacon.policy, beacon.cache_capacity, beacon.evictions) == ("beacon", 8 + 128, 2)
+    assert beacon.kv_cache_bytes * (8 + 512) == full.kv_cache_bytes * (8 + 128)
+    assert all(r.peak_bytes > 0 and r.tokens_per_s > 0 and not math.isnan(r.ms_per_step) for r in rows)
+    text = markdown_table4({"model": "tiny", "dtype": "fp32", "generation_tokens": 512, "memory_limit_gib": 1.0,
+                            "mode": "eager", "memory": "rss", "rows": [vars(r) for r in rows]})
+    assert "| FullKV | 2 |" in text and "| BeaconKV (128) | 2 |" in text

@@ -1,0 +1,163 @@
+"""Compiled decoding (``generate(..., compile=...)``): same tokens as eager, clear failures.
+
+Inductor compiles are slow on a CPU box, so only the two headline checks (FullKV and BeaconKV,
+greedy) use the real inductor path on one tiny model; the wider matrix (every policy, sampling,
+ragged schedules) traces the very same graphs with ``backend="aot_eager"`` — dynamo + AOT
+autograd with ``fullgraph=True``, which catches every graph break and host sync in seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import beaconkv
+from beaconkv.compile import (
+    CompileConfig,
+    CompileError,
+    resolve_compile_config,
+    select_keep_static,
+)
+from beaconkv.policies import BeaconKV, SnapKV, make_policy, select_keep
+
+TRACE = CompileConfig(backend="aot_eager")
+BUDGET = 128  # the smallest budget with n_recent = 16: an eviction every 16 steps
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return beaconkv.load_model(tiny_models["llama"][0])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _prompts(lengths=(5, 12), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 97, (n,), generator=g).tolist() for n in lengths]
+
+
+def _both(model, policy_factory, compile_config, **kw):
+    kw = dict(max_new_tokens=kw.pop("max_new_tokens", BUDGET + 20), eos_token_ids=[], **kw)
+    eager = beaconkv.generate(model, None, _prompts(), policy=policy_factory(), **kw)
+    compiled = beaconkv.generate(model, None, _prompts(), policy=policy_factory(), compile=compile_config, **kw)
+    return eager, compiled
+
+
+@pytest.mark.parametrize("name", ["full", "beacon"])
+def test_inductor_greedy_tokens_equal_eager(llama, name):
+    factory = (lambda: None) if name == "full" else (lambda: BeaconKV(BUDGET))
+    # maintenance stays eager here to keep the test to two inductor graphs; it is traced below
+    eager, compiled = _both(llama, factory, CompileConfig(maintenance=False))
+    assert compiled.token_ids == eager.token_ids
+    assert compiled.stats.compiled
+    if name == "beacon":
+        assert eager.stats.evictions == compiled.stats.evictions == [2, 2]
+        assert compiled.stats.compiled_evictions == 2
+
+
+@pytest.mark.parametrize("name", ["beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming"])
+def test_every_policy_traces_fullgraph_with_the_same_tokens(llama, name):
+    eager, compiled = _both(llama, lambda: make_policy(name, budget=BUDGET), TRACE)
+    assert compiled.token_ids == eager.token_ids
+    assert compiled.stats.evictions == eager.stats.evictions and sum(eager.stats.evictions) > 0
+    assert compiled.stats.compiled_evictions == eager.stats.evictions[0]  # every eviction took the graph
+
+
+def test_seeded_sampling_is_the_same_compiled(llama):
+    kw = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 3, "max_new_tokens": 24}
+    eager, compiled = _both(llama, lambda: None, TRACE, **kw)
+    assert compiled.token_ids == eager.token_ids
+
+
+def test_ragged_schedules_fall_back_to_eager_evictions(llama):
+    # an int n_prefix with prompts of different lengths: the rows reach the budget at different steps
+    eager, compiled = _both(llama, lambda: BeaconKV(BUDGET, n_prefix=2), TRACE)
+    assert compiled.token_ids == eager.token_ids
+    assert compiled.stats.evictions == eager.stats.evictions
+    assert compiled.stats.compiled_evictions == 0
+
+
+def test_policy_methods_are_restored(llama):
+    policy = BeaconKV(BUDGET)
+    beaconkv.generate(llama, None, _prompts(), max_new_tokens=40, eos_token_ids=[], policy=policy, compile=TRACE)
+    assert not {"evict", "_compress", "_freeze", "_roll"} & set(vars(policy))
+
+
+class _HostSyncPolicy(SnapKV):
+    """A policy whose score reads the device: it cannot be one graph."""
+
+    def score(self, layer, cache, rows, t):
+        if int(cache.length.max()) < 0:  # a host sync
+            raise AssertionError
+        return super().score(layer, cache, rows, t)
+
+
+def test_a_graph_break_raises_a_clear_error(llama):
+    with pytest.raises(CompileError, match="(?s)eviction step of _HostSyncPolicy.*compile=False"):
+        beaconkv.generate(llama, None, _prompts(), max_new_tokens=BUDGET + 8, eos_token_ids=[],
+                          policy=_HostSyncPolicy(BUDGET), compile=CompileConfig(backend="eager"))
+
+
+def test_compile_argument_and_options():
+    assert resolve_compile_config(False) is None and resolve_compile_config(True) == CompileConfig()
+    with pytest.raises(TypeError, match="compile='yes'"):
+        resolve_compile_config("yes")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    plain = CompileConfig(cpu_gemv=False)
+    assert plain.options(cpu) == {"fullgraph": True, "backend": "inductor", "dynamic": None, "mode": None}
+    assert CompileConfig().options(cpu)["options"] == {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
+    assert CompileConfig().options(cuda)["mode"] == "reduce-overhead" and CompileConfig().cuda_graphs(cuda)
+    assert plain.options(cuda) == CompileConfig().options(cuda)
+    assert CompileConfig(freezing=True, cpu_gemv=False).options(cpu)["options"] == {"freezing": True}
+    assert not CompileConfig(mode="default").cuda_graphs(cuda) and not CompileConfig().cuda_graphs(cpu)
+
+
+def test_select_keep_static_equals_select_keep():
+    g = torch.Generator().manual_seed(0)
+    b, h, C = 3, 2, 40
+    pos = torch.arange(C).repeat(b, h, 1)
+    pos[0, :, 30:] = -1  # a shorter row
+    scores = torch.randn(b, h, C, generator=g).round(decimals=1)  # ties
+    n_prefix, t = torch.tensor([4, 6, 0]), torch.tensor([29, 39, 39])
+    keep_total = torch.tensor([20, 24, 24])
+    ref = select_keep(scores, pos, n_prefix, t, 8, keep_total)
+    got = select_keep_static(scores, pos, n_prefix, t, 8, keep_total, 24)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")
+@pytest.mark.parametrize("name", ["full", "beacon"])
+def test_cuda_graphs_greedy_tokens_equal_eager(tiny_models, name):
+    model = beaconkv.load_model(tiny_models["llama"][0], device="cuda")
+    factory = (lambda: None) if name == "full" else (lambda: BeaconKV(BUDGET))
+    eager, compiled = _both(model, factory, True)
+    assert compiled.token_ids == eager.token_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_cuda_parity_with_transformers(tiny_models, kind):
+    """The transformers-parity oracle on the GPU: fp32 logits and greedy generation (eager and CUDA graphs)."""
+    path, hf = tiny_models[kind]
+    ours = beaconkv.load_model(path, device="cuda")
+    hf = hf.to("cuda")
+    try:
+        ids = torch.randint(3, 97, (2, 48), generator=torch.Generator().manual_seed(1)).cuda()
+        with torch.no_grad():
+            torch.testing.assert_close(ours(ids), hf(ids).logits.float(), atol=1e-3, rtol=0)
+        prompt = ids[:1, :30]
+        ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, 30:].tolist()
+        for compile_config in (False, True):
+            out = beaconkv.generate(ours, None, [prompt[0].tolist()], max_new_tokens=32, eos_token_ids=[],
+                                    compile=compile_config)
+            assert out.token_ids[0] == ref
+    finally:
+        hf.to("cpu")  # the fixture's model is shared with CPU tests
