@@ -34,15 +34,14 @@ compile raises :class:`CompileError`.
 
 Trap: the policy's host state (Python lists of counts and positions) must never be read inside a
 graph — it would be baked in as a constant and recompile at the next change — so every such value
-crosses into a graph as a tensor argument. :func:`beacon_scores` and the maintenance wrappers mirror
-BeaconKV's own methods for that reason; the tests check that compiled and eager runs keep the same
-tokens and evictions.
+crosses into a graph as a tensor argument: :meth:`BeaconKV.score` takes them as arguments, and the
+maintenance wrappers mirror BeaconKV's own methods for that reason; the tests check that compiled
+and eager runs keep the same tokens and evictions.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,9 +52,8 @@ from torch import Tensor
 
 from .cache import KVCache, LayerKVCache
 from .models.decoder import CausalLM
-from .policies.base import EvictionPolicy
+from .policies.base import EvictionPolicy, select_keep
 from .policies.beacon import BeaconKV, QuerySet, ring_set
-from .policies.scoring import attention_probs, reduce_group, reduce_queries
 from .sampling import SamplingParams, race_noise, sample_next
 
 #: Most graphs one compiled function may hold (shapes, dtypes, models, policies) before
@@ -187,59 +185,9 @@ def decode_and_sample(
 def select_keep_static(
     scores: Tensor, pos: Tensor, n_prefix: Tensor, t: Tensor, n_recent: int, keep_total: Tensor, K: int
 ) -> tuple[Tensor, Tensor]:
-    """:func:`beaconkv.policies.select_keep` with the keep count ``K = max(keep_total)`` given by the host.
-
-    ``select_keep`` reads ``K`` from the device (a sync and a data-dependent shape); here it is a Python
-    int the schedule already knows, so the function has static shapes. Same arguments and results.
-    """
-    filled = pos >= 0
-    protected = filled & ((pos < n_prefix[:, None, None]) | (pos > (t - n_recent)[:, None, None]))
-    key = torch.where(protected, math.inf, scores.float())
-    key = torch.where(filled, key, -math.inf)
-    key = torch.nan_to_num(key, nan=-1e30, posinf=math.inf)
-    # stable sort: first newest-first by position, then by score descending
-    by_pos = torch.argsort(pos, dim=-1, descending=True, stable=True)
-    order = torch.gather(
-        by_pos, -1, torch.argsort(torch.gather(key, -1, by_pos), dim=-1, descending=True, stable=True)
-    )
-    top = order[..., :K]
-    ranks = torch.arange(K, device=pos.device)
-    valid = (ranks[None, None, :] < keep_total[:, None, None]) & torch.gather(filled, -1, top)
-    top_pos = torch.where(valid, torch.gather(pos, -1, top), torch.iinfo(torch.long).max)
-    resort = torch.argsort(top_pos, dim=-1, stable=True)
-    return torch.gather(top, -1, resort), torch.gather(valid, -1, resort)
-
-
-def beacon_scores(
-    policy: BeaconKV, cache: LayerKVCache, rows: Tensor, t: Tensor, recent_lo: Tensor, beacons: QuerySet
-) -> Tensor:
-    """:meth:`BeaconKV.score` with the recent window's bound and the layer's beacons passed in.
-
-    BeaconKV's own ``score`` builds the bound from host lists (``rows.tolist()``), which a graph cannot.
-
-    Args:
-        policy: The BeaconKV policy.
-        cache: The layer's cache.
-        rows: ``(b,)`` batch indices.
-        t: ``(b,)`` newest positions.
-        recent_lo: ``(b,)`` exclusive lower bound of the recent queries' positions.
-        beacons: The layer's frozen beacons (all rows).
-
-    Returns:
-        ``(b, kv_heads, capacity)`` scores.
-    """
-    beacons = beacons.rows(rows)
-    recent = ring_set(cache, rows, (t - policy.n_recent) if policy.static_beacons else recent_lo, t)
-    nb = beacons.q.shape[2]
-    b_pos = t[:, None].expand(-1, nb)  # beacons look from the current step
-    rope = policy.rope
-    q_rot = torch.cat([rope.rotate(beacons.q, b_pos), rope.rotate(recent.q, recent.pos[:, 0])], dim=2)
-    q_mask = torch.cat([beacons.valid[:, 0], recent.valid[:, 0]], dim=1)
-    q_pos = torch.cat([b_pos, recent.pos[:, 0]], dim=1)
-    pos = cache.pos[rows]
-    w = attention_probs(q_rot, q_mask, cache.k[rows], pos >= 0, cache.head_dim**-0.5, q_pos, pos)
-    per_head = reduce_queries(w, q_mask, policy.aggregation, policy.temperature)  # (b, kv_heads, group, C)
-    return reduce_group(per_head, policy.aggregation, policy.temperature)
+    """:func:`beaconkv.policies.select_keep` with the keep count ``K = max(keep_total)`` given by the host,
+    so the function has static shapes and no device read. Same arguments and results."""
+    return select_keep(scores, pos, n_prefix, t, n_recent, keep_total, keep_max=K)
 
 
 def evict_layer(
@@ -250,7 +198,7 @@ def evict_layer(
 
     Args:
         policy: The policy (its ``score`` must be free of host reads; BeaconKV goes through
-            :func:`beacon_scores`).
+            :meth:`BeaconKV.score` with ``recent_lo`` and ``beacons`` passed in).
         layer_idx: Layer index (handed to ``policy.score``).
         cache: The layer's cache (compacted in place).
         rows: ``(b,)`` batch indices.
@@ -262,7 +210,7 @@ def evict_layer(
         K: ``max(keep_total)``, known on the host.
     """
     if beacons is not None:
-        scores = beacon_scores(policy, cache, rows, t, recent_lo, beacons)  # type: ignore[arg-type]
+        scores = policy.score(layer_idx, cache, rows, t, recent_lo=recent_lo, beacons=beacons)  # type: ignore[call-arg]
     else:
         scores = policy.score(layer_idx, cache, rows, t)
     keep, keep_valid = select_keep_static(scores, cache.pos[rows], n_prefix, t, policy.n_recent, keep_total, K)

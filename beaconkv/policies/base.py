@@ -78,7 +78,13 @@ class PolicyStats:
 
 
 def select_keep(
-    scores: Tensor, pos: Tensor, n_prefix: Tensor, t: Tensor, n_recent: int, keep_total: Tensor
+    scores: Tensor,
+    pos: Tensor,
+    n_prefix: Tensor,
+    t: Tensor,
+    n_recent: int,
+    keep_total: Tensor,
+    keep_max: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Chooses the slots to keep: prefix and recent tokens, then the best-scored, in position order.
 
@@ -89,9 +95,11 @@ def select_keep(
         t: ``(b,)`` position of the newest token.
         n_recent: The last ``n_recent`` positions are always kept.
         keep_total: ``(b,)`` slots to keep per sequence.
+        keep_max: ``max(keep_total)`` when the caller knows it on the host; None reads it from the
+            device (a sync and a data-dependent shape — pass it inside compiled code).
 
     Returns:
-        ``(keep, keep_valid)``, both ``(b, kv_heads, K)`` with ``K = keep_total.max()``: slot indices
+        ``(keep, keep_valid)``, both ``(b, kv_heads, K)`` with ``K = max(keep_total)``: slot indices
         sorted by position, and whether each entry is real (False entries come last).
 
     Ties in score break toward the more recent position, so the choice does not depend on the
@@ -107,7 +115,7 @@ def select_keep(
     order = torch.gather(
         by_pos, -1, torch.argsort(torch.gather(key, -1, by_pos), dim=-1, descending=True, stable=True)
     )
-    K = int(keep_total.max())
+    K = int(keep_total.max()) if keep_max is None else keep_max
     top = order[..., :K]
     ranks = torch.arange(K, device=pos.device)
     valid = (ranks[None, None, :] < keep_total[:, None, None]) & torch.gather(filled, -1, top)

@@ -312,17 +312,35 @@ class BeaconKV(EvictionPolicy):
         return ring_set(self.cache[layer], rows_t, lo, hi)
 
     # ------------------------------------------------------------ scoring
-    def observation_queries(self, layer: int, rows: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def recent_bound(self, rows: Tensor, t: Tensor) -> Tensor:
+        """``(b,)`` exclusive lower position bound of the recent queries (read from host state)."""
+        if self.static_beacons:
+            return t - self.n_recent
+        return torch.tensor([self.recent_since[b] for b in rows.tolist()], device=t.device)
+
+    def observation_queries(
+        self, layer: int, rows: Tensor, t: Tensor, recent_lo: Tensor | None = None, beacons: QuerySet | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The rotated queries BeaconKV scores with at an eviction.
+
+        Args:
+            layer: Layer index.
+            rows: ``(b,)`` batch indices.
+            t: ``(b,)`` position of the newest token.
+            recent_lo: ``(b,)`` exclusive lower bound of the recent queries' positions; None reads it
+                from the host state (pass it inside compiled code). Initial+Recent ignores it: its
+                recent queries are always the last ``n_recent``.
+            beacons: The layer's beacons for all rows; None uses the policy's.
 
         Returns:
             ``(q_rot (b, heads, n, head_dim), q_mask (b, n), q_pos (b, n), source_pos (b, n))``: beacons
             rotated to ``t`` first, then recent queries at their own positions; ``source_pos`` is the
             position each query was originally produced at.
         """
-        rows_l = rows.tolist()
-        beacons = self.beacons[layer].rows(rows)
-        recent = self._recent(layer, rows, rows_l)
+        if recent_lo is None or self.static_beacons:
+            recent_lo = self.recent_bound(rows, t)
+        beacons = (self.beacons[layer] if beacons is None else beacons).rows(rows)
+        recent = ring_set(self.cache[layer], rows, recent_lo, t)
         nb = beacons.q.shape[2]
         b_pos = t[:, None].expand(-1, nb)  # beacons look from the current step
         q_rot = torch.cat([self.rope.rotate(beacons.q, b_pos), self.rope.rotate(recent.q, recent.pos[:, 0])], dim=2)
@@ -331,8 +349,13 @@ class BeaconKV(EvictionPolicy):
         source = torch.cat([beacons.pos[:, 0], recent.pos[:, 0]], dim=1)
         return q_rot, q_mask, q_pos, source
 
-    def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
-        q_rot, q_mask, q_pos, _ = self.observation_queries(layer, rows, t)
+    def score(
+        self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor,
+        recent_lo: Tensor | None = None, beacons: QuerySet | None = None,
+    ) -> Tensor:
+        """Step 4: attention of beacons (at ``t``) and recent queries (at their positions) over the cache,
+        aggregated over queries and the GQA group. ``recent_lo``/``beacons``: see :meth:`observation_queries`."""
+        q_rot, q_mask, q_pos, _ = self.observation_queries(layer, rows, t, recent_lo, beacons)
         pos = cache.pos[rows]
         w = attention_probs(q_rot, q_mask, cache.k[rows], pos >= 0, cache.head_dim**-0.5, q_pos, pos)
         per_head = reduce_queries(w, q_mask, self.aggregation, self.temperature)  # (b, kv_heads, group, C)
