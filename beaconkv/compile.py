@@ -42,6 +42,8 @@ and eager runs keep the same tokens and evictions.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -55,6 +57,10 @@ from .models.decoder import CausalLM
 from .policies.base import EvictionPolicy, select_keep
 from .policies.beacon import BeaconKV, QuerySet, ring_set
 from .sampling import SamplingParams, race_noise, sample_next
+
+#: Size limits of inductor's ``decompose_mm_pass`` on CPU with :attr:`CompileConfig.cpu_gemv`: any matrix
+#: side (an LM head's vocabulary included), batch 1 only (the pass's default).
+CPU_GEMV_LIMITS = {"cpu_max_other_dimension_decomposition": 1 << 20}
 
 #: Most graphs one compiled function may hold (shapes, dtypes, models, policies) before
 #: :class:`CompileError` is raised instead of dynamo's silent fallback to eager.
@@ -88,8 +94,7 @@ class CompileConfig:
             (its ``decompose_mm_pass``) instead of calling the BLAS: decoding one token is a
             matrix-vector product, memory-bound, and the BLAS's bf16 path is compute-bound on CPUs
             without native bf16 (measured on the embedded model, 1 thread: bf16 42 -> 31 ms/step,
-            fp32 44 -> 38). The pass takes matrices up to 2048 x 2048: every layer of small models,
-            not a large vocabulary's LM head.
+            fp32 44 -> 38; 31 ms with the LM head too, see :func:`lift_cpu_gemv_limit`).
     """
 
     backend: str = "inductor"
@@ -111,7 +116,9 @@ class CompileConfig:
         if self.freezing:
             options["freezing"] = True
         if self.cpu_gemv and device.type == "cpu":
-            options["post_grad_fusion_options"] = {"decompose_mm_pass": {}}
+            # the limit takes effect through lift_cpu_gemv_limit(); stating it here also keys inductor's
+            # on-disk graph cache apart from graphs compiled without it
+            options["post_grad_fusion_options"] = {"decompose_mm_pass": dict(CPU_GEMV_LIMITS)}
         if not options:
             kwargs["mode"] = mode
             return kwargs
@@ -245,6 +252,28 @@ def select_queries(sampler: Any, q: Tensor, pos: Tensor, valid: Tensor, k: int) 
 _COMPILED: dict[tuple[str, CompileConfig, str], Callable[..., Any]] = {}
 
 
+def lift_cpu_gemv_limit() -> bool:
+    """Lets inductor's ``decompose_mm_pass`` take an LM head's ``vocab x hidden`` matrix on CPU too.
+
+    The pass reads its CPU size limit (2048 per side) from the inductor config once, when its module
+    is first imported; importing it here under a patched config lifts the limit for this process.
+    It only matters to graphs compiled with the pass on (:attr:`CompileConfig.cpu_gemv`; inductor
+    leaves it off by default). If the module was imported earlier, nothing changes and the LM head
+    keeps calling the BLAS.
+
+    Returns:
+        Whether the limit was lifted by this call.
+    """
+    name = "torch._inductor.fx_passes.decompose_mem_bound_mm"
+    if name in sys.modules:
+        return False
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(post_grad_fusion_options={"decompose_mm_pass": dict(CPU_GEMV_LIMITS)}):
+        importlib.import_module(name)
+    return True
+
+
 def compiled(fn: Callable[..., Any], config: CompileConfig, device: torch.device) -> Callable[..., Any]:
     """The ``torch.compile`` wrapper of one graph body, shared by every generation with the same settings.
 
@@ -253,6 +282,8 @@ def compiled(fn: Callable[..., Any], config: CompileConfig, device: torch.device
     """
     key = (fn.__name__, config, device.type)
     if key not in _COMPILED:
+        if config.cpu_gemv and device.type == "cpu" and config.backend == "inductor":
+            lift_cpu_gemv_limit()
         _COMPILED[key] = torch.compile(fn, **config.options(device))
     return _COMPILED[key]
 

@@ -13,8 +13,10 @@ import torch
 
 import beaconkv
 from beaconkv.compile import (
+    CPU_GEMV_LIMITS,
     CompileConfig,
     CompileError,
+    evict_layer,
     resolve_compile_config,
     select_keep_static,
 )
@@ -84,6 +86,20 @@ def test_ragged_schedules_fall_back_to_eager_evictions(llama):
     assert compiled.stats.compiled_evictions == 0
 
 
+def test_one_eviction_graph_serves_every_layer(llama):
+    """The per-layer eviction graph is compiled once for all layers: no layer index baked into it."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    class FreshBeaconKV(BeaconKV):  # a new type: no graph compiled for it yet
+        pass
+
+    before = len(_debug_get_cache_entry_list(evict_layer.__code__))
+    out = beaconkv.generate(llama, None, _prompts(), max_new_tokens=BUDGET + 20, eos_token_ids=[],
+                            policy=FreshBeaconKV(BUDGET), compile=TRACE)
+    assert out.stats.compiled_evictions == 2 and llama.config.num_hidden_layers == 2
+    assert len(_debug_get_cache_entry_list(evict_layer.__code__)) == before + 1
+
+
 def test_policy_methods_are_restored(llama):
     policy = BeaconKV(BUDGET)
     beaconkv.generate(llama, None, _prompts(), max_new_tokens=40, eos_token_ids=[], policy=policy, compile=TRACE)
@@ -112,7 +128,7 @@ def test_compile_argument_and_options():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     plain = CompileConfig(cpu_gemv=False)
     assert plain.options(cpu) == {"fullgraph": True, "backend": "inductor", "dynamic": None, "mode": None}
-    assert CompileConfig().options(cpu)["options"] == {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
+    assert CompileConfig().options(cpu)["options"] == {"post_grad_fusion_options": {"decompose_mm_pass": CPU_GEMV_LIMITS}}
     assert CompileConfig().options(cuda)["mode"] == "reduce-overhead" and CompileConfig().cuda_graphs(cuda)
     assert plain.options(cuda) == CompileConfig().options(cuda)
     assert CompileConfig(freezing=True, cpu_gemv=False).options(cpu)["options"] == {"freezing": True}

@@ -319,7 +319,8 @@ class BeaconKV(EvictionPolicy):
         return torch.tensor([self.recent_since[b] for b in rows.tolist()], device=t.device)
 
     def observation_queries(
-        self, layer: int, rows: Tensor, t: Tensor, recent_lo: Tensor | None = None, beacons: QuerySet | None = None
+        self, layer: int, rows: Tensor, t: Tensor, recent_lo: Tensor | None = None, beacons: QuerySet | None = None,
+        cache: LayerKVCache | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The rotated queries BeaconKV scores with at an eviction.
 
@@ -331,6 +332,8 @@ class BeaconKV(EvictionPolicy):
                 from the host state (pass it inside compiled code). Initial+Recent ignores it: its
                 recent queries are always the last ``n_recent``.
             beacons: The layer's beacons for all rows; None uses the policy's.
+            cache: The layer's cache; None looks it up by ``layer`` (a compiled per-layer step passes it,
+                so that the layer index is not baked into the graph).
 
         Returns:
             ``(q_rot (b, heads, n, head_dim), q_mask (b, n), q_pos (b, n), source_pos (b, n))``: beacons
@@ -340,7 +343,7 @@ class BeaconKV(EvictionPolicy):
         if recent_lo is None or self.static_beacons:
             recent_lo = self.recent_bound(rows, t)
         beacons = (self.beacons[layer] if beacons is None else beacons).rows(rows)
-        recent = ring_set(self.cache[layer], rows, recent_lo, t)
+        recent = ring_set(self.cache[layer] if cache is None else cache, rows, recent_lo, t)
         nb = beacons.q.shape[2]
         b_pos = t[:, None].expand(-1, nb)  # beacons look from the current step
         q_rot = torch.cat([self.rope.rotate(beacons.q, b_pos), self.rope.rotate(recent.q, recent.pos[:, 0])], dim=2)
@@ -355,7 +358,7 @@ class BeaconKV(EvictionPolicy):
     ) -> Tensor:
         """Step 4: attention of beacons (at ``t``) and recent queries (at their positions) over the cache,
         aggregated over queries and the GQA group. ``recent_lo``/``beacons``: see :meth:`observation_queries`."""
-        q_rot, q_mask, q_pos, _ = self.observation_queries(layer, rows, t, recent_lo, beacons)
+        q_rot, q_mask, q_pos, _ = self.observation_queries(layer, rows, t, recent_lo, beacons, cache)
         pos = cache.pos[rows]
         w = attention_probs(q_rot, q_mask, cache.k[rows], pos >= 0, cache.head_dim**-0.5, q_pos, pos)
         per_head = reduce_queries(w, q_mask, self.aggregation, self.temperature)  # (b, kv_heads, group, C)
