@@ -16,15 +16,14 @@ everything else (weights, activations, workspace) is fitted from two short eager
 run that still runs out of memory retries with a smaller batch. Each policy then decodes from a
 short prompt; step times are measured over whole eviction cycles of the steady state (BeaconKV:
 after the budget filled and one eviction compiled; FullKV: as many steps), so compilation never
-lands in a timed step. Memory: CUDA peak allocated over the whole run; on CPU the peak resident
-memory over the timed steps minus the resident memory before the model was loaded (so the Python
-process and compiler are not counted).
+lands in a timed step. Memory: CUDA peak allocated over the run (weights included); on CPU the
+peak resident memory of the run minus the resident memory before the model was loaded, each
+policy in a fresh process and eagerly by default (the compiler's own memory would otherwise count).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 import time
@@ -104,6 +103,7 @@ class Table4Row:
         ms_per_step: Steady-state decode latency per step (one token for every sequence).
         tokens_per_s: ``batch * 1000 / ms_per_step``.
         evictions: Evictions per sequence during the run.
+        label: ``"largest batch"``, ``"FullKV's batch"`` or ``"fixed batch"``.
     """
 
     policy: str
@@ -116,6 +116,7 @@ class Table4Row:
     ms_per_step: float
     tokens_per_s: float
     evictions: int
+    label: str = ""
 
 
 def _oom_types() -> tuple[type[BaseException], ...]:
@@ -126,7 +127,7 @@ def _timed_run(model: CausalLM, policy_name: str, budget: int, batch: int, promp
                generation_tokens: int, cycles: int, compile_config: CompileConfig | None,
                rss_zero: int) -> tuple[GenerationOutput, float, int]:
     """Decodes one policy with the cache of a ``generation_tokens`` generation; returns the output, the
-    steady-state ms/step and the peak memory (see the module docstring)."""
+    steady-state ms/step and the peak memory of the run (see the module docstring)."""
     device = model.lm_head.weight.device
     policy = make_policy(policy_name, budget=None if policy_name == "full" else budget)
     gap = budget - math.floor(policy.ratio * budget)
@@ -134,25 +135,17 @@ def _timed_run(model: CausalLM, policy_name: str, budget: int, batch: int, promp
     # cycles; FullKV: a few warm-up steps (compile), then as many timed steps
     warm = budget - 1 + gap if policy_name != "full" else 8
     timed = cycles * gap
-    mem = PeakMemory(device)
-    cpu_window = device.type != "cuda"
-
-    def on_step(step: int) -> None:
-        if cpu_window and step == warm - 1:
-            mem.__enter__()  # the timed steps start: measure from here (compilation is over)
-
-    rec = StepRecorder(policy, device, on_step)
-    with contextlib.ExitStack() as stack:
-        stack.callback(rec.close)
-        if not cpu_window:
-            stack.enter_context(mem)
-        out = beaconkv.generate(model, None, random_prompts(batch, prompt_tokens, model.config.vocab_size),
-                                max_new_tokens=warm + timed + 1, capacity_tokens=max(generation_tokens, warm + timed + 1),
-                                eos_token_ids=[], policy=policy, compile=compile_config or False)
-    if cpu_window:
-        mem.__exit__()
+    rec = StepRecorder(policy, device)
+    try:
+        with PeakMemory(device) as mem:
+            out = beaconkv.generate(model, None, random_prompts(batch, prompt_tokens, model.config.vocab_size),
+                                    max_new_tokens=warm + timed + 1,
+                                    capacity_tokens=max(generation_tokens, warm + timed + 1), eos_token_ids=[],
+                                    policy=policy, compile=compile_config or False)
+    finally:
+        rec.close()
     durations, _, _ = rec.window(warm, warm + timed - 1)
-    peak = mem.peak if not cpu_window else mem.peak - rss_zero
+    peak = mem.peak if device.type == "cuda" else mem.peak - rss_zero
     return out, 1e3 * sum(durations) / len(durations), peak
 
 
@@ -176,7 +169,7 @@ def _fit(model: CausalLM, policy_name: str, budget: int, prompt_tokens: int, pro
 def measure_table4(
     model: CausalLM, budget: int, generation_tokens: int, memory_limit: float, prompt_tokens: int = 64,
     cycles: int = 2, batch: int | None = None, max_batch: int = 64, compile_config: CompileConfig | None = None,
-    rss_zero: int = 0, log: Callable[[str], None] = print,
+    rss_zero: int = 0, policies: tuple[str, ...] = ("full", "beacon"), log: Callable[[str], None] = print,
 ) -> list[Table4Row]:
     """Measures FullKV and BeaconKV(``budget``) at the largest batch each fits in ``memory_limit`` bytes.
 
@@ -191,19 +184,28 @@ def measure_table4(
         max_batch: Upper bound of the search.
         compile_config: Compile the steps (None: eager).
         rss_zero: CPU resident bytes before the model was loaded.
+        policies: ``full``, ``beacon`` (its largest batch) and/or ``beacon@full`` (BeaconKV at FullKV's
+            batch, measured before it: the memory it saves at equal work).
         log: Progress messages.
 
     Returns:
-        One row per policy (FullKV first).
+        One row per policy.
     """
     device = model.lm_head.weight.device
     dtype = model.lm_head.weight.dtype
     per_token = kv_bytes_per_token(model.config, dtype)
     rows = []
-    for name in ("full", "beacon"):
+    full_batch = None
+    for spec in policies:
+        name, at_full = spec.split("@")[0], spec.endswith("@full")
+        if at_full and batch is not None:
+            continue  # at a fixed batch it is the plain BeaconKV row
         capacity = prompt_tokens + (generation_tokens if name == "full" else budget)
         predicted = 0
-        b = batch
+        b = full_batch if at_full and batch is None else batch
+        if at_full and b is None:
+            raise ValueError("policy 'beacon@full' needs FullKV measured first (or a fixed batch).")
+        label = "fixed batch" if batch is not None else ("FullKV's batch" if at_full else "largest batch")
         if b is None:
             base, per_seq = _fit(model, name, budget, prompt_tokens, (1, 2) if device.type == "cuda" else (1, 4),
                                  rss_zero)
@@ -225,8 +227,10 @@ def measure_table4(
                 log(f"  {name}: out of memory, retrying with batch {b}")
                 torch.cuda.empty_cache()
         s = out.stats
+        if name == "full":
+            full_batch = b
         rows.append(Table4Row(name, None if name == "full" else budget, b, s.cache_capacity, s.cache_bytes, peak,
-                              predicted, ms, b * 1e3 / ms, s.evictions[0]))
+                              predicted, ms, b * 1e3 / ms, s.evictions[0], label))
         log(f"  {name}: batch {b}, capacity {s.cache_capacity}, KV {s.cache_bytes / 2**30:.2f} GiB, peak "
             f"{peak / 2**30:.2f} GiB, {ms:.1f} ms/step, {b * 1e3 / ms:.1f} tok/s ({time.perf_counter() - t0:.0f} s)")
         if device.type == "cuda":
@@ -241,10 +245,12 @@ def markdown_table4(result: dict[str, Any]) -> str:
     lines = [(f"**Table 4** ({result['model']}, {result['dtype']}, caches sized for a "
               f"{result['generation_tokens']}-token generation, memory limit {result['memory_limit_gib']:.1f} GiB, "
               f"{result['mode']}; memory = {result['memory']}):"), "",
-             "| method | batch | KV cache GiB | peak memory GiB | tokens/s | ms/step | memory vs FullKV | tokens/s vs FullKV |",
+             ("| method | batch | KV cache GiB | peak memory GiB | tokens/s | ms/step | memory vs FullKV "
+              "| tokens/s vs FullKV |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         name = "FullKV" if r["policy"] == "full" else f"BeaconKV ({r['budget']})"
+        name += f", {r['label']}" if r.get("label") else ""
         mem_x = f"{full['peak_bytes'] / r['peak_bytes']:.1f}x less" if full and r is not full else "—"
         tps_x = f"{r['tokens_per_s'] / full['tokens_per_s']:.1f}x" if full and r is not full else "—"
         lines.append(f"| {name} | {r['batch']} | {r['kv_cache_bytes'] / 2**30:.2f} | {r['peak_bytes'] / 2**30:.2f} | "
@@ -275,12 +281,22 @@ def add_table4_arguments(parser: argparse.ArgumentParser | Any, prefix: str = ""
     parser.add_argument(f"--{p}batch", type=int, default=None, help="a fixed batch instead of the largest that fits")
     parser.add_argument(f"--{p}max-batch", type=int, default=64, help="upper bound of the batch search (default 64)")
     parser.add_argument(f"--{p}cycles", type=int, default=2, help="timed eviction cycles (default 2)")
-    parser.add_argument(f"--{p}eager", action="store_true", help="decode eagerly instead of compiled")
+    parser.add_argument(f"--{p}mode", choices=("auto", "eager", "compiled"), default="auto",
+                        help="auto (default): compiled on CUDA; eager on CPU, where the in-process compiler's "
+                             "memory would count in the peak RSS")
+    parser.add_argument(f"--{p}policies", default="full,beacon@full,beacon",
+                        help="comma-separated: full, beacon@full (BeaconKV at FullKV's batch), beacon (its largest "
+                             "batch); default all three")
+    parser.add_argument(f"--{p}in-process", action="store_true",
+                        help="on CPU, measure in this process instead of a fresh one per policy")
 
 
 def run_table4_section(args: argparse.Namespace, device: torch.device, compile_config: CompileConfig,
                        log: Callable[[str], None] = print, prefix: str = "") -> dict[str, Any]:
     """Runs the table from parsed arguments (see :func:`add_table4_arguments`; ``prefix`` with ``_``).
+
+    On CPU each policy is measured in a fresh Python process (``python -m beaconkv.measure.table4``),
+    so that its peak resident memory is its own, unless ``--in-process``.
 
     Returns:
         A JSON-able dict: settings and ``rows``.
@@ -289,6 +305,9 @@ def run_table4_section(args: argparse.Namespace, device: torch.device, compile_c
         return getattr(args, prefix + name)
 
     cuda = device.type == "cuda"
+    names = tuple(n.strip() for n in opt("policies").split(",") if n.strip())
+    if not cuda and not opt("in_process"):
+        return _run_in_subprocesses(opt, names, log)
     rss_zero = 0 if cuda else _rss_bytes()
     dname = opt("dtype") or ("bf16" if cuda else "fp32")
     dtype = DTYPES[dname]
@@ -302,13 +321,49 @@ def run_table4_section(args: argparse.Namespace, device: torch.device, compile_c
     gen = opt("generation_tokens") or (32768 if cuda else 2048)
     budget = opt("budget") or (2048 if cuda else 256)
     limit = (opt("memory_limit_gb") or (80.0 if cuda else 1.0)) * 2**30
-    cc = None if opt("eager") else compile_config
+    mode = opt("mode") if opt("mode") != "auto" else ("compiled" if cuda else "eager")
+    cc = compile_config if mode == "compiled" else None
     rows = measure_table4(model, budget, gen, limit, cycles=opt("cycles"), batch=opt("batch"),
-                          max_batch=opt("max_batch"), compile_config=cc, rss_zero=rss_zero, log=log)
+                          max_batch=opt("max_batch"), compile_config=cc, rss_zero=rss_zero, policies=names, log=log)
     return {"model": label, "dtype": dname, "generation_tokens": gen, "budget": budget,
-            "memory_limit_gib": limit / 2**30, "mode": "eager" if cc is None else "compiled",
-            "memory": "peak allocated (whole run)" if cuda else "peak RSS over the timed steps, above the pre-load RSS",
+            "memory_limit_gib": limit / 2**30, "mode": mode,
+            "memory": "peak allocated" if cuda else "peak RSS above the RSS before the model was loaded",
             "rows": [asdict(r) for r in rows]}
+
+
+def _run_in_subprocesses(opt: Callable[[str], Any], names: tuple[str, ...],
+                         log: Callable[[str], None]) -> dict[str, Any]:
+    """Measures each policy in ``python -m beaconkv.measure.table4 --in-process`` and merges the results."""
+    import json
+    import subprocess
+    import tempfile
+
+    flags = {"model": opt("model"), "dtype": opt("dtype"), "generation-tokens": opt("generation_tokens"),
+             "budget": opt("budget"), "memory-limit-gb": opt("memory_limit_gb"), "batch": opt("batch"),
+             "max-batch": opt("max_batch"), "cycles": opt("cycles"), "mode": opt("mode")}
+    result: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        if name.endswith("@full") and flags["batch"] is not None:
+            continue  # at a fixed batch it is the plain BeaconKV row
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "beaconkv.measure.table4", "--device", "cpu", "--in-process",
+                   "--policies", name.split("@")[0], "--threads", str(torch.get_num_threads()), "--out", tmp]
+            batch = flags["batch"]
+            if name.endswith("@full") and batch is None:
+                batch = next(r["batch"] for r in rows if r["policy"] == "full")
+            cmd += [x for k, v in {**flags, "batch": batch}.items() if v is not None for x in (f"--{k}", str(v))]
+            log(f"  {name}: measuring in a fresh process")
+            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"table 4 for {name} failed (exit {done.returncode}): {' '.join(cmd)}")
+            result = json.loads((Path(tmp) / "table4.json").read_text())
+            for row in result["rows"]:
+                row["label"] = ("FullKV's batch" if name.endswith("@full") else
+                                "fixed batch" if flags["batch"] is not None else "largest batch")
+            rows += result["rows"]
+    result["rows"] = rows
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
