@@ -15,9 +15,9 @@
   called per layer (every layer has the same shapes: seconds to compile instead of minutes); with
   CUDA graphs one graph covers all layers (:func:`evict_model`), so an eviction is one replay.
 * **BeaconKV's maintenance** between steps (FPS compression every ``n_recent`` steps, beacon freeze,
-  roll): the query sets of all layers are gathered, and one compiled sampler call
-  (:func:`select_queries`) runs the FPS of every layer at once — the per-layer loop of the eager
-  policy costs ~40 small kernels per layer.
+  roll): BeaconKV already samples the query sets of all layers in one call
+  (:meth:`BeaconKV.select_queries`); that call runs as one compiled graph (:func:`select_queries`),
+  its host bookkeeping stays the policy's own.
 
 On CUDA the graphs run with ``mode="reduce-overhead"`` (CUDA graphs; cache buffers and BeaconKV's
 query sets are marked as static addresses, outputs are cloned before the host keeps them). On CPU
@@ -34,9 +34,9 @@ compile raises :class:`CompileError`.
 
 Trap: the policy's host state (Python lists of counts and positions) must never be read inside a
 graph — it would be baked in as a constant and recompile at the next change — so every such value
-crosses into a graph as a tensor argument: :meth:`BeaconKV.score` takes them as arguments, and the
-maintenance wrappers mirror BeaconKV's own methods for that reason; the tests check that compiled
-and eager runs keep the same tokens and evictions.
+crosses into a graph as a tensor argument: :meth:`BeaconKV.score` takes them as arguments, and only
+the sampler call of the maintenance is compiled; the tests check that compiled and eager runs keep
+the same tokens and evictions.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from torch import Tensor
 from .cache import KVCache, LayerKVCache
 from .models.decoder import CausalLM
 from .policies.base import EvictionPolicy, select_keep
-from .policies.beacon import BeaconKV, QuerySet, ring_set
+from .policies.beacon import BeaconKV, QuerySet
 from .sampling import SamplingParams, race_noise, sample_next
 
 #: Size limits of inductor's ``decompose_mm_pass`` on CPU with :attr:`CompileConfig.cpu_gemv`: any matrix
@@ -88,8 +88,8 @@ class CompileConfig:
         layerwise_eviction: Compile the eviction of *one* layer and call it per layer (compiles in
             seconds, since every layer has the same shapes) instead of one graph over all layers;
             None = per layer, except with CUDA graphs (one replay per eviction needs one graph).
-        maintenance: Compile BeaconKV's between-step maintenance (FPS compression, freeze, roll) for
-            full-batch schedules, with the FPS of all layers batched into one call.
+        maintenance: Compile BeaconKV's between-step sampler call (FPS compression, freeze, roll; one
+            call for all layers) for full-batch schedules.
         cpu_gemv: On CPU, let inductor turn batch-1 matmuls into its own vectorised reductions
             (its ``decompose_mm_pass``) instead of calling the BLAS: decoding one token is a
             matrix-vector product, memory-bound, and the BLAS's bf16 path is compute-bound on CPUs
@@ -234,18 +234,17 @@ def evict_model(
         evict_layer(policy, i, layer, rows, t, n_prefix, keep_total, recent_lo, beacons, K)
 
 
-def select_queries(sampler: Any, q: Tensor, pos: Tensor, valid: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """:meth:`QuerySet.select` for query sets with any leading axes (the body of the compiled sampler step).
+def select_queries(sampler: Any, queries: QuerySet, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:meth:`QuerySet.select` (the body of the compiled sampler step).
 
     BeaconKV's maintenance hands it the sets of *all* layers stacked, ``(layers, b, heads, S, head_dim)``,
-    so one FPS call (``k`` iterations) replaces one per layer.
+    so one FPS call (``k`` iterations) serves every layer.
 
     Returns:
         ``(q, pos, valid)`` of the ``k`` chosen entries per leading index.
     """
-    idx, ok = sampler.select(q, k, valid)  # (..., k)
-    chosen = torch.gather(q, -2, idx.unsqueeze(-1).expand(*idx.shape, q.shape[-1]))
-    return chosen, torch.where(ok, torch.gather(pos, -1, idx), -1), ok & torch.gather(valid, -1, idx)
+    chosen = queries.select(sampler, k)
+    return chosen.q, chosen.pos, chosen.valid
 
 
 # ----------------------------------------------------------------------------- driver
@@ -366,15 +365,14 @@ class CompiledDecoding:
         self._evict_compiled = config.eviction and policy.budget is not None and known and not policy.telemetry
         if self._evict_compiled:
             policy.evict = self._evict  # type: ignore[method-assign]
-        self._maintain = self._beacon and config.maintenance and policy.sampler.bounded and not policy.telemetry
+        self._maintain = (isinstance(policy, BeaconKV) and type(policy).select_queries is BeaconKV.select_queries
+                          and config.maintenance and policy.sampler.bounded and not policy.telemetry)
         if self._maintain:
-            policy._compress = self._compress  # type: ignore[method-assign]
-            policy._freeze = self._freeze  # type: ignore[method-assign]
-            policy._roll = self._roll  # type: ignore[method-assign]
+            policy.select_queries = self._select_queries  # type: ignore[method-assign]
 
     def close(self) -> None:
         """Restores the policy's own methods."""
-        for name in ("evict", "_compress", "_freeze", "_roll"):
+        for name in ("evict", "select_queries"):
             self.policy.__dict__.pop(name, None)
 
     # ------------------------------------------------------------------ decode
@@ -433,57 +431,13 @@ class CompiledDecoding:
         p.stats.eviction_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------- maintenance
-    # BeaconKV's host-side steps 2, 3 and 6 for full-batch schedules: the query sets of all layers are
-    # gathered eagerly (a few small copies), sampled by one compiled FPS over every layer at once, and
-    # written back; the host bookkeeping mirrors BeaconKV._compress/_freeze/_roll.
-    def _resample(self, sources: list[QuerySet], targets: list[QuerySet], rows: list[int], lo: list[int], k: int,
-                  what: str) -> None:
+    def _select_queries(self, queries: QuerySet, k: int) -> QuerySet:
+        """BeaconKV's sampler call over all layers as one compiled graph (full-batch sets)."""
         p = self.policy
-        rows_t, lo_t, hi_t = self._host(rows), self._host(lo), self._host([p.t[b] for b in rows])
-        sets = [QuerySet.cat(src.rows(rows_t), ring_set(self.cache[i], rows_t, lo_t, hi_t))
-                for i, src in enumerate(sources)]
-        q, pos, valid = (torch.stack([getattr(s, f) for s in sets]) for f in ("q", "pos", "valid"))
+        if queries.q.shape[1] != self.batch:
+            return BeaconKV.select_queries(p, queries, k)
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        with compile_guard(f"BeaconKV {what} (query sampler)"):
-            q, pos, valid = compiled(select_queries, self.config, self.device)(p.sampler, q, pos, valid, k)
-        for i, target in enumerate(targets):  # consumed before the next replay may overwrite them
-            target.assign(rows_t, QuerySet(q[i], pos[i], valid[i]))
-
-    def _compress(self, rows: list[int]) -> None:
-        p = self.policy
-        if not self._full_batch(rows):
-            return type(p)._compress(p, rows)
-        self._resample(p.obs, p.obs, rows, [p.obs_since[b] for b in rows], p.q_min, "compression")
-        for b in rows:
-            total = p.obs_count[b] + p.t[b] - p.obs_since[b]
-            p.obs_count[b] = min(total, p.q_min)
-            p.obs_since[b] = p.t[b]
-
-    def _freeze(self, rows: list[int]) -> None:
-        p = self.policy
-        if not self._full_batch(rows):
-            return type(p)._freeze(p, rows)
-        self._resample(p.obs, p.beacons, rows, [p.obs_since[b] for b in rows], p.n_beacon, "freeze")
-        for b in rows:
-            # past the freeze point already (prefill): the newest prompt queries count as recent
-            overshoot = p.count[b] - (p.budget - p.n_recent)
-            p.recent_since[b] = p.t[b] - min(max(overshoot, 0), p.n_recent)
-            if p.phase[b] != "static":
-                p.phase[b] = "frozen"
-
-    def _roll(self, rows: list[int]) -> None:
-        p = self.policy
-        if not self._full_batch(rows):
-            return type(p)._roll(p, rows)
-        self._resample(p.beacons, p.obs, rows, [p.recent_since[b] for b in rows], p.q_min, "roll")
-        rows_t = self._host(rows)
-        for beacons in p.beacons:
-            beacons.q[rows_t] = 0
-            beacons.pos[rows_t] = -1
-            beacons.valid[rows_t] = False
-        for b in rows:
-            n_recent = p.t[b] - p.recent_since[b]
-            p.obs_count[b] = min(p.n_beacon + n_recent, p.q_min)
-            p.obs_since[b] = p.t[b]
-            p.phase[b] = "accumulate"
+        with compile_guard("BeaconKV maintenance (query sampler)"):
+            q, pos, valid = compiled(select_queries, self.config, self.device)(p.sampler, queries, k)
+        return QuerySet(q.clone(), pos.clone(), valid.clone())  # a CUDA-graph output is overwritten by the next replay

@@ -103,7 +103,34 @@ def test_one_eviction_graph_serves_every_layer(llama):
 def test_policy_methods_are_restored(llama):
     policy = BeaconKV(BUDGET)
     beaconkv.generate(llama, None, _prompts(), max_new_tokens=40, eos_token_ids=[], policy=policy, compile=TRACE)
-    assert not {"evict", "_compress", "_freeze", "_roll"} & set(vars(policy))
+    assert not {"evict", "select_queries"} & set(vars(policy))
+
+
+def test_beacon_maintenance_sampler_call_is_one_graph_for_all_layers(llama):
+    """Compression, freeze and roll sample every layer in one compiled call; an override stays the user's."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from beaconkv.compile import select_queries
+    from beaconkv.policies.samplers import ContinualFPS
+
+    class FreshFPS(ContinualFPS):  # a new type: its graph is compiled fresh
+        pass
+
+    calls = []
+
+    class Counting(BeaconKV):
+        def select_queries(self, queries, k):
+            calls.append(queries.q.shape[0])
+            return super().select_queries(queries, k)
+
+    before = len(_debug_get_cache_entry_list(select_queries.__code__))
+    eager, compiled = _both(llama, lambda: BeaconKV(BUDGET, sampler=FreshFPS()), TRACE)
+    assert compiled.token_ids == eager.token_ids
+    assert len(_debug_get_cache_entry_list(select_queries.__code__)) > before
+    beaconkv.generate(llama, None, _prompts(), max_new_tokens=BUDGET + 20, eos_token_ids=[], policy=Counting(BUDGET),
+                      compile=TRACE)
+    # the user's override ran (not replaced), once per maintenance step with every layer stacked
+    assert calls and set(calls) == {llama.config.num_hidden_layers}
 
 
 class _HostSyncPolicy(SnapKV):

@@ -39,12 +39,15 @@ _AGGREGATIONS = ("max", "mean", "logsumexp")
 
 @dataclass
 class QuerySet:
-    """A per-head set of stored pre-RoPE queries for the whole batch.
+    """A per-head set of stored pre-RoPE queries.
+
+    Its tensors share leading axes: ``(batch, heads)`` for one layer's set, ``(layers, batch, heads)``
+    for the sets of every layer stacked (what BeaconKV's maintenance samples from in one call).
 
     Attributes:
-        q: ``(batch, heads, S, head_dim)`` vectors.
-        pos: ``(batch, heads, S)`` their absolute positions (``-1`` empty).
-        valid: ``(batch, heads, S)`` which entries exist.
+        q: ``(..., S, head_dim)`` vectors.
+        pos: ``(..., S)`` their absolute positions (``-1`` empty).
+        valid: ``(..., S)`` which entries exist.
     """
 
     q: Tensor
@@ -61,24 +64,38 @@ class QuerySet:
         )
 
     def rows(self, rows: Tensor) -> "QuerySet":
-        """The sub-set of some sequences."""
+        """The sub-set of some sequences (of a one-layer set)."""
         return QuerySet(self.q[rows], self.pos[rows], self.valid[rows])
 
     def assign(self, rows: Tensor, other: "QuerySet") -> None:
-        """Overwrites some sequences in place with ``other`` (same slot count)."""
+        """Overwrites some sequences of a one-layer set in place with ``other`` (same slot count)."""
         self.q[rows], self.pos[rows], self.valid[rows] = other.q.to(self.q.dtype), other.pos, other.valid
+
+    def clear(self, rows: Tensor) -> None:
+        """Empties some sequences of a one-layer set in place."""
+        self.q[rows], self.pos[rows], self.valid[rows] = 0, -1, False
 
     @staticmethod
     def cat(*sets: "QuerySet") -> "QuerySet":
         """Concatenates along the slot axis."""
-        return QuerySet(*(torch.cat([getattr(s, f) for s in sets], dim=2) for f in ("q", "pos", "valid")))
+        return QuerySet(torch.cat([s.q for s in sets], dim=-2), torch.cat([s.pos for s in sets], dim=-1),
+                        torch.cat([s.valid for s in sets], dim=-1))
+
+    @staticmethod
+    def stack(sets: list["QuerySet"]) -> "QuerySet":
+        """Stacks equally shaped sets along a new leading axis (e.g. one set per layer)."""
+        return QuerySet(*(torch.stack([getattr(s, f) for s in sets]) for f in ("q", "pos", "valid")))
+
+    def unbind(self) -> list["QuerySet"]:
+        """Splits the leading axis (the inverse of :meth:`stack`)."""
+        return [QuerySet(q, p, v) for q, p, v in zip(self.q.unbind(0), self.pos.unbind(0), self.valid.unbind(0))]
 
     def select(self, sampler: QuerySampler, k: int) -> "QuerySet":
-        """Keeps ``k`` entries per head chosen by ``sampler`` over the valid ones."""
-        idx, ok = sampler.select(self.q, k, self.valid)  # (b, heads, k)
-        q = torch.gather(self.q, 2, idx.unsqueeze(-1).expand(-1, -1, -1, self.q.shape[-1]))
-        pos = torch.where(ok, torch.gather(self.pos, 2, idx), -1)
-        return QuerySet(q, pos, ok & torch.gather(self.valid, 2, idx))
+        """Keeps ``k`` entries per head chosen by ``sampler`` over the valid ones (any leading axes)."""
+        idx, ok = sampler.select(self.q, k, self.valid)  # (..., k)
+        q = torch.gather(self.q, -2, idx.unsqueeze(-1).expand(*idx.shape, self.q.shape[-1]))
+        pos = torch.where(ok, torch.gather(self.pos, -1, idx), -1)
+        return QuerySet(q, pos, ok & torch.gather(self.valid, -1, idx))
 
 
 def ring_set(cache: LayerKVCache, rows: Tensor, lo: Tensor, hi: Tensor) -> QuerySet:
@@ -223,21 +240,12 @@ class BeaconKV(EvictionPolicy):
         self._roll(rows)
 
     # ------------------------------------------------------------ set algebra
-    def _tensors(self, rows: list[int], values: list[int]) -> tuple[Tensor, Tensor]:
-        device = self.cache[0].pos.device
-        return torch.tensor(rows, device=device), torch.tensor([values[b] for b in rows], device=device)
+    def _host(self, values: list[int]) -> Tensor:
+        return torch.tensor(values, device=self.cache[0].pos.device)
 
     def _pending(self, layer: int, rows_t: Tensor, rows: list[int]) -> QuerySet:
-        lo = torch.tensor([self.obs_since[b] for b in rows], device=rows_t.device)
-        hi = torch.tensor([self.t[b] for b in rows], device=rows_t.device)
-        return ring_set(self.cache[layer], rows_t, lo, hi)
-
-    def _observation(self, layer: int, rows_t: Tensor, rows: list[int]) -> QuerySet:
-        """The current observation set: stored (or the history) plus pending ring queries."""
-        pending = self._pending(layer, rows_t, rows)
-        if self.sampler.bounded:
-            return QuerySet.cat(self.obs[layer].rows(rows_t), pending)
-        return QuerySet.cat(self._history(layer, rows), pending)
+        return ring_set(self.cache[layer], rows_t, self._host([self.obs_since[b] for b in rows]),
+                        self._host([self.t[b] for b in rows]))
 
     def _history(self, layer: int, rows: list[int]) -> QuerySet:
         """Pads the per-sequence histories of some rows to one set."""
@@ -259,13 +267,37 @@ class BeaconKV(EvictionPolicy):
             add = QuerySet(extra.q[i : i + 1, :, keep], extra.pos[i : i + 1, :, keep], extra.valid[i : i + 1, :, keep])
             self.history[layer][b] = QuerySet.cat(self.history[layer][b], add)
 
+    def select_queries(self, queries: QuerySet, k: int) -> QuerySet:
+        """Samples ``k`` queries per head with the policy's sampler: the one call behind steps 2, 3 and 6.
+
+        Args:
+            queries: Candidate sets, every layer's stacked: ``(layers, b, heads, S, head_dim)``.
+            k: Queries kept per head.
+
+        Returns:
+            The chosen sets, same leading axes, ``k`` slots. Compiled decoding routes this method
+            through one compiled graph for all layers.
+        """
+        return queries.select(self.sampler, k)
+
+    def _resample(self, sources: list[QuerySet], rows: list[int], since: list[int], k: int) -> list[QuerySet]:
+        """Per layer: ``k`` queries sampled from ``sources[layer]`` (sets of ``rows`` only) together with
+        the cache ring's queries at positions in ``(since, t]`` — for all layers in one sampler call."""
+        rows_t, lo, hi = self._host(rows), self._host([since[b] for b in rows]), self._host([self.t[b] for b in rows])
+        sets = [QuerySet.cat(src, ring_set(self.cache[i], rows_t, lo, hi)) for i, src in enumerate(sources)]
+        if len({(s.q.shape, s.q.dtype) for s in sets}) > 1:  # layers of different shapes: one call each
+            return [self.select_queries(QuerySet.stack([s]), k).unbind()[0] for s in sets]
+        return self.select_queries(QuerySet.stack(sets), k).unbind()
+
     def _compress(self, rows: list[int]) -> None:
         """Step 2: fold pending queries into the observation set (FPS back to ``B_min^Q``)."""
-        rows_t = torch.tensor(rows, device=self.cache[0].pos.device)
-        for layer in range(len(self.cache)):
-            if self.sampler.bounded:
-                self.obs[layer].assign(rows_t, self._observation(layer, rows_t, rows).select(self.sampler, self.q_min))
-            else:
+        rows_t = self._host(rows)
+        if self.sampler.bounded:
+            sources = [obs.rows(rows_t) for obs in self.obs]
+            for obs, chosen in zip(self.obs, self._resample(sources, rows, self.obs_since, self.q_min)):
+                obs.assign(rows_t, chosen)
+        else:
+            for layer in range(len(self.cache)):
                 self._append_history(layer, rows, self._pending(layer, rows_t, rows))
         for b in rows:
             total = self.obs_count[b] + self.t[b] - self.obs_since[b]
@@ -274,9 +306,13 @@ class BeaconKV(EvictionPolicy):
 
     def _freeze(self, rows: list[int]) -> None:
         """Step 3: beacons <- sample(observation set, n_beacon); later queries are recent."""
-        rows_t = torch.tensor(rows, device=self.cache[0].pos.device)
-        for layer in range(len(self.cache)):
-            self.beacons[layer].assign(rows_t, self._observation(layer, rows_t, rows).select(self.sampler, self.n_beacon))
+        rows_t = self._host(rows)
+        if self.sampler.bounded:
+            sources = [obs.rows(rows_t) for obs in self.obs]
+        else:  # the whole history, padded
+            sources = [self._history(layer, rows) for layer in range(len(self.cache))]
+        for beacons, chosen in zip(self.beacons, self._resample(sources, rows, self.obs_since, self.n_beacon)):
+            beacons.assign(rows_t, chosen)
         for b in rows:
             # past the freeze point already (prefill): the newest prompt queries count as recent
             overshoot = self.count[b] - (self.budget - self.n_recent)
@@ -286,30 +322,23 @@ class BeaconKV(EvictionPolicy):
 
     def _roll(self, rows: list[int]) -> None:
         """Step 6: observation set <- FPS(beacons ∪ recent, ``B_min^Q``); beacon and recent sets cleared."""
-        rows_t = torch.tensor(rows, device=self.cache[0].pos.device)
-        for layer in range(len(self.cache)):
-            recent = self._recent(layer, rows_t, rows)
-            if self.sampler.bounded:
-                both = QuerySet.cat(self.beacons[layer].rows(rows_t), recent)
-                self.obs[layer].assign(rows_t, both.select(self.sampler, self.q_min))
-            else:
-                self._append_history(layer, rows, recent)
-            empty = QuerySet.empty(len(rows), self.cache[layer].n_heads, self.n_beacon, self.cache[layer].head_dim,
-                                   self.cache[layer].k.dtype, rows_t.device)
-            self.beacons[layer].assign(rows_t, empty)
+        rows_t = self._host(rows)
+        if self.sampler.bounded:
+            sources = [beacons.rows(rows_t) for beacons in self.beacons]
+            for obs, chosen in zip(self.obs, self._resample(sources, rows, self.recent_since, self.q_min)):
+                obs.assign(rows_t, chosen)
+        else:
+            hi = self._host([self.t[b] for b in rows])
+            lo = self._host([self.recent_since[b] for b in rows])
+            for layer in range(len(self.cache)):
+                self._append_history(layer, rows, ring_set(self.cache[layer], rows_t, lo, hi))
+        for beacons in self.beacons:
+            beacons.clear(rows_t)
         for b in rows:
             n_recent = self.t[b] - self.recent_since[b]
             self.obs_count[b] = min(self.n_beacon + n_recent, self.q_min) if self.sampler.bounded else 0
             self.obs_since[b] = self.t[b]
             self.phase[b] = "accumulate"
-
-    def _recent(self, layer: int, rows_t: Tensor, rows: list[int]) -> QuerySet:
-        hi = torch.tensor([self.t[b] for b in rows], device=rows_t.device)
-        if self.static_beacons:
-            lo = hi - self.n_recent
-        else:
-            lo = torch.tensor([self.recent_since[b] for b in rows], device=rows_t.device)
-        return ring_set(self.cache[layer], rows_t, lo, hi)
 
     # ------------------------------------------------------------ scoring
     def recent_bound(self, rows: Tensor, t: Tensor) -> Tensor:
