@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -119,6 +118,8 @@ class CompileConfig:
             # the limit takes effect through lift_cpu_gemv_limit(); stating it here also keys inductor's
             # on-disk graph cache apart from graphs compiled without it
             options["post_grad_fusion_options"] = {"decompose_mm_pass": dict(CPU_GEMV_LIMITS)}
+            if not lift_cpu_gemv_limit():
+                options["post_grad_fusion_options"] = {"decompose_mm_pass": {}}
         if not options:
             kwargs["mode"] = mode
             return kwargs
@@ -254,22 +255,20 @@ _COMPILED: dict[tuple[str, CompileConfig, str], Callable[..., Any]] = {}
 def lift_cpu_gemv_limit() -> bool:
     """Lets inductor's ``decompose_mm_pass`` take an LM head's ``vocab x hidden`` matrix on CPU too.
 
-    The pass reads its CPU size limit (2048 per side) from the inductor config once, when its module
-    is first imported; importing it here under a patched config lifts the limit for this process.
-    It only matters to graphs compiled with the pass on (:attr:`CompileConfig.cpu_gemv`; inductor
-    leaves it off by default). If the module was imported earlier, nothing changes and the LM head
-    keeps calling the BLAS.
+    The pass keeps its CPU size limit (2048 per side) in a module global, read from the inductor
+    config when the module is first imported; this sets that global to :data:`CPU_GEMV_LIMITS`
+    whatever the import order, for the whole process. It only matters to graphs compiled with the
+    pass on (:attr:`CompileConfig.cpu_gemv`; inductor leaves it off by default).
 
     Returns:
-        Whether the limit was lifted by this call.
+        Whether the limit is lifted (False if this torch has no such global: the LM head then
+        keeps calling the BLAS).
     """
-    name = "torch._inductor.fx_passes.decompose_mem_bound_mm"
-    if name in sys.modules:
-        return False
-    import torch._inductor.config as inductor_config
-
-    with inductor_config.patch(post_grad_fusion_options={"decompose_mm_pass": dict(CPU_GEMV_LIMITS)}):
-        importlib.import_module(name)
+    module = importlib.import_module("torch._inductor.fx_passes.decompose_mem_bound_mm")
+    for name, value in CPU_GEMV_LIMITS.items():
+        if not hasattr(module, name):
+            return False
+        setattr(module, name, max(getattr(module, name), value))
     return True
 
 
@@ -281,8 +280,6 @@ def compiled(fn: Callable[..., Any], config: CompileConfig, device: torch.device
     """
     key = (fn.__name__, config, device.type)
     if key not in _COMPILED:
-        if config.cpu_gemv and device.type == "cpu" and config.backend == "inductor":
-            lift_cpu_gemv_limit()
         _COMPILED[key] = torch.compile(fn, **config.options(device))
     return _COMPILED[key]
 
@@ -327,9 +324,10 @@ class CompiledDecoding:
     """The compiled steps of one generation, bound to its model, cache and policy.
 
     Construct after :meth:`EvictionPolicy.start`; call :meth:`step` once per decode step and
-    :meth:`close` at the end. While bound, the policy's ``evict`` (and BeaconKV's ``_compress``,
-    ``_freeze``, ``_roll``) are routed through the compiled steps for full-batch schedules and back to
-    the policy's own methods otherwise; :meth:`close` removes the routing.
+    :meth:`close` at the end. While bound, the policy's ``evict`` (and BeaconKV's
+    :meth:`~beaconkv.policies.BeaconKV.select_queries`) are routed through the compiled steps for
+    full-batch schedules and back to the policy's own methods otherwise; :meth:`close` removes the
+    routing.
 
     Args:
         config: Compilation settings.

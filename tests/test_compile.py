@@ -17,6 +17,7 @@ from beaconkv.compile import (
     CompileConfig,
     CompileError,
     evict_layer,
+    lift_cpu_gemv_limit,
     resolve_compile_config,
     select_keep_static,
 )
@@ -146,6 +147,15 @@ def test_a_graph_break_raises_a_clear_error(llama):
     with pytest.raises(CompileError, match="(?s)eviction step of _HostSyncPolicy.*compile=False"):
         beaconkv.generate(llama, None, _prompts(), max_new_tokens=BUDGET + 8, eos_token_ids=[],
                           policy=_HostSyncPolicy(BUDGET), compile=CompileConfig(backend="eager"))
+
+
+def test_cpu_gemv_limit_is_lifted_whatever_the_import_order():
+    """The LM head's vocab x hidden matmul may decompose too, even if inductor imported the pass first."""
+    import importlib
+
+    module = importlib.import_module("torch._inductor.fx_passes.decompose_mem_bound_mm")
+    assert lift_cpu_gemv_limit()
+    assert module.cpu_max_other_dimension_decomposition == CPU_GEMV_LIMITS["cpu_max_other_dimension_decomposition"]
 
 
 def test_compile_argument_and_options():

@@ -55,25 +55,32 @@ class QuerySet:
     valid: Tensor
 
     @classmethod
-    def empty(cls, batch: int, heads: int, size: int, head_dim: int, dtype: torch.dtype, device) -> "QuerySet":
-        """An all-empty set of ``size`` slots."""
+    def empty(cls, batch: int, heads: int, size: int, head_dim: int, dtype: torch.dtype, device,
+              layers: int | None = None) -> "QuerySet":
+        """An all-empty set of ``size`` slots (with ``layers``: one per layer, stacked)."""
+        lead = (batch, heads) if layers is None else (layers, batch, heads)
         return cls(
-            torch.zeros(batch, heads, size, head_dim, dtype=dtype, device=device),
-            torch.full((batch, heads, size), -1, dtype=torch.long, device=device),
-            torch.zeros(batch, heads, size, dtype=torch.bool, device=device),
+            torch.zeros(*lead, size, head_dim, dtype=dtype, device=device),
+            torch.full((*lead, size), -1, dtype=torch.long, device=device),
+            torch.zeros(*lead, size, dtype=torch.bool, device=device),
         )
 
     def rows(self, rows: Tensor) -> "QuerySet":
-        """The sub-set of some sequences (of a one-layer set)."""
-        return QuerySet(self.q[rows], self.pos[rows], self.valid[rows])
+        """The sub-set of some sequences (the batch axis is the one before ``heads``)."""
+        return QuerySet(self.q.index_select(-4, rows), self.pos.index_select(-3, rows),
+                        self.valid.index_select(-3, rows))
 
     def assign(self, rows: Tensor, other: "QuerySet") -> None:
-        """Overwrites some sequences of a one-layer set in place with ``other`` (same slot count)."""
-        self.q[rows], self.pos[rows], self.valid[rows] = other.q.to(self.q.dtype), other.pos, other.valid
+        """Overwrites some sequences in place with ``other`` (same slot count)."""
+        self.q.index_copy_(self.q.dim() - 4, rows, other.q.to(self.q.dtype))
+        self.pos.index_copy_(self.pos.dim() - 3, rows, other.pos)
+        self.valid.index_copy_(self.valid.dim() - 3, rows, other.valid)
 
     def clear(self, rows: Tensor) -> None:
-        """Empties some sequences of a one-layer set in place."""
-        self.q[rows], self.pos[rows], self.valid[rows] = 0, -1, False
+        """Empties some sequences in place."""
+        self.q.index_fill_(self.q.dim() - 4, rows, 0)
+        self.pos.index_fill_(self.pos.dim() - 3, rows, -1)
+        self.valid.index_fill_(self.valid.dim() - 3, rows, False)
 
     @staticmethod
     def cat(*sets: "QuerySet") -> "QuerySet":
@@ -178,18 +185,25 @@ class BeaconKV(EvictionPolicy):
     # ------------------------------------------------------------ per layer
     def init_layer(self, layer: int, cache: LayerKVCache) -> None:
         if layer == 0:
-            self.obs: list[QuerySet] = []
-            self.beacons: list[QuerySet] = []
+            shapes = {(c.n_heads, c.head_dim, c.k.dtype) for c in self.cache.layers}
+            if len(shapes) > 1:
+                raise PolicyConfigError(
+                    f"BeaconKV samples the queries of all layers at once and needs every layer to have the same "
+                    f"(query heads, head_dim, dtype); this cache has {sorted(shapes, key=str)}."
+                )
+            # every layer's observation and beacon sets, stacked: the maintenance samples them in one call
+            args = (cache.batch, cache.n_heads)
+            tail = (cache.head_dim, cache.k.dtype, cache.k.device)
+            self.all_obs = QuerySet.empty(*args, self.q_min, *tail, layers=len(self.cache))
+            self.all_beacons = QuerySet.empty(*args, self.n_beacon, *tail, layers=len(self.cache))
+            self.obs: list[QuerySet] = self.all_obs.unbind()  # per-layer views
+            self.beacons: list[QuerySet] = self.all_beacons.unbind()
             self.history: list[list[QuerySet | None]] = []
             B = cache.batch
             self.phase = ["accumulate"] * B
             self.obs_since = [0] * B
             self.obs_count = [0] * B
             self.recent_since = [0] * B
-        args = (cache.batch, cache.n_heads)
-        tail = (cache.head_dim, cache.k.dtype, cache.k.device)
-        self.obs.append(QuerySet.empty(*args, self.q_min, *tail))
-        self.beacons.append(QuerySet.empty(*args, self.n_beacon, *tail))
         self.history.append([None] * cache.batch)
 
     def observe_prefill(self, layer: int, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
@@ -240,8 +254,8 @@ class BeaconKV(EvictionPolicy):
         self._roll(rows)
 
     # ------------------------------------------------------------ set algebra
-    def _host(self, values: list[int]) -> Tensor:
-        return torch.tensor(values, device=self.cache[0].pos.device)
+    def _host(self, values: list[int] | list[list[int]]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.cache[0].pos.device)
 
     def _pending(self, layer: int, rows_t: Tensor, rows: list[int]) -> QuerySet:
         return ring_set(self.cache[layer], rows_t, self._host([self.obs_since[b] for b in rows]),
@@ -280,22 +294,47 @@ class BeaconKV(EvictionPolicy):
         """
         return queries.select(self.sampler, k)
 
-    def _resample(self, sources: list[QuerySet], rows: list[int], since: list[int], k: int) -> list[QuerySet]:
-        """Per layer: ``k`` queries sampled from ``sources[layer]`` (sets of ``rows`` only) together with
-        the cache ring's queries at positions in ``(since, t]`` — for all layers in one sampler call."""
-        rows_t, lo, hi = self._host(rows), self._host([since[b] for b in rows]), self._host([self.t[b] for b in rows])
-        sets = [QuerySet.cat(src, ring_set(self.cache[i], rows_t, lo, hi)) for i, src in enumerate(sources)]
-        if len({(s.q.shape, s.q.dtype) for s in sets}) > 1:  # layers of different shapes: one call each
-            return [self.select_queries(QuerySet.stack([s]), k).unbind()[0] for s in sets]
-        return self.select_queries(QuerySet.stack(sets), k).unbind()
+    def _resample(self, sources: QuerySet, rows: list[int], since: list[int], k: int) -> QuerySet:
+        """``k`` queries per layer and head sampled from ``sources`` (every layer's sets of ``rows``,
+        stacked) together with the cache ring's queries at positions in ``(since, t]``, in one call."""
+        return self._sample(QuerySet.cat(sources, self._ring_since(rows, since)), k)
+
+    def _sample(self, candidates: QuerySet, k: int) -> QuerySet:
+        """``k`` of the candidates (stacked over layers): all of them, padded, when they fit."""
+        S = candidates.q.shape[-2]
+        if S > k:
+            return self.select_queries(candidates, k)
+        lead = candidates.q.shape[:-2]
+        pad = QuerySet(candidates.q.new_zeros(*lead, k - S, candidates.q.shape[-1]),
+                       candidates.pos.new_full((*lead, k - S), -1), candidates.valid.new_zeros(*lead, k - S))
+        return QuerySet.cat(candidates, pad)
+
+    def _ring_since(self, rows: list[int], since: list[int]) -> QuerySet:
+        """Every layer's ring queries of ``rows`` at positions in ``(since, t]``, stacked:
+        ``(layers, b, heads, n, head_dim)`` with ``n`` the largest such count over the rows (masked
+        for rows with fewer). Only the slots that can hold them are read (``n`` is known on the host)."""
+        rows_t = self._host(rows)
+        R = self.cache[0].query_window
+        n = min(max(self.t[b] - since[b] for b in rows), R)
+        n = max(n, 0)
+        pos = self._host([[self.t[b] - n + 1 + j for j in range(n)] for b in rows]).reshape(len(rows), n)
+        slots = pos.remainder(R)
+        # positions the ring still holds (every layer writes the same positions: layer 0 tells)
+        held = torch.gather(self.cache[0].query_pos[rows_t], 1, slots) == pos
+        valid = held & (pos > self._host([since[b] for b in rows])[:, None])
+        pos = torch.where(valid, pos, -1)
+        full = rows == list(range(self.cache[0].batch))
+        H, D = self.cache[0].n_heads, self.cache[0].head_dim
+        idx = slots[:, None, :, None].expand(-1, H, -1, D)
+        q = torch.stack([torch.gather(c.queries if full else c.queries[rows_t], 2, idx) for c in self.cache.layers])
+        shape = (len(self.cache), len(rows), H, n)
+        return QuerySet(q, pos[None, :, None].expand(shape), valid[None, :, None].expand(shape))
 
     def _compress(self, rows: list[int]) -> None:
         """Step 2: fold pending queries into the observation set (FPS back to ``B_min^Q``)."""
         rows_t = self._host(rows)
         if self.sampler.bounded:
-            sources = [obs.rows(rows_t) for obs in self.obs]
-            for obs, chosen in zip(self.obs, self._resample(sources, rows, self.obs_since, self.q_min)):
-                obs.assign(rows_t, chosen)
+            self.all_obs.assign(rows_t, self._resample(self.all_obs.rows(rows_t), rows, self.obs_since, self.q_min))
         else:
             for layer in range(len(self.cache)):
                 self._append_history(layer, rows, self._pending(layer, rows_t, rows))
@@ -308,11 +347,10 @@ class BeaconKV(EvictionPolicy):
         """Step 3: beacons <- sample(observation set, n_beacon); later queries are recent."""
         rows_t = self._host(rows)
         if self.sampler.bounded:
-            sources = [obs.rows(rows_t) for obs in self.obs]
-        else:  # the whole history, padded
-            sources = [self._history(layer, rows) for layer in range(len(self.cache))]
-        for beacons, chosen in zip(self.beacons, self._resample(sources, rows, self.obs_since, self.n_beacon)):
-            beacons.assign(rows_t, chosen)
+            sources = self.all_obs.rows(rows_t)
+        else:  # the whole history, padded (the same length in every layer)
+            sources = QuerySet.stack([self._history(layer, rows) for layer in range(len(self.cache))])
+        self.all_beacons.assign(rows_t, self._resample(sources, rows, self.obs_since, self.n_beacon))
         for b in rows:
             # past the freeze point already (prefill): the newest prompt queries count as recent
             overshoot = self.count[b] - (self.budget - self.n_recent)
@@ -324,16 +362,14 @@ class BeaconKV(EvictionPolicy):
         """Step 6: observation set <- FPS(beacons ∪ recent, ``B_min^Q``); beacon and recent sets cleared."""
         rows_t = self._host(rows)
         if self.sampler.bounded:
-            sources = [beacons.rows(rows_t) for beacons in self.beacons]
-            for obs, chosen in zip(self.obs, self._resample(sources, rows, self.recent_since, self.q_min)):
-                obs.assign(rows_t, chosen)
+            self.all_obs.assign(rows_t, self._resample(self.all_beacons.rows(rows_t), rows, self.recent_since,
+                                                       self.q_min))
         else:
             hi = self._host([self.t[b] for b in rows])
             lo = self._host([self.recent_since[b] for b in rows])
             for layer in range(len(self.cache)):
                 self._append_history(layer, rows, ring_set(self.cache[layer], rows_t, lo, hi))
-        for beacons in self.beacons:
-            beacons.clear(rows_t)
+        self.all_beacons.clear(rows_t)
         for b in rows:
             n_recent = self.t[b] - self.recent_since[b]
             self.obs_count[b] = min(self.n_beacon + n_recent, self.q_min) if self.sampler.bounded else 0

@@ -41,7 +41,10 @@ __all__ = [
 # Norms are clamped to this before dividing, so a zero vector becomes the zero "direction":
 # cosine 0 with everything (itself included) instead of NaN.
 _NORM_EPS = 1e-12
-# Sort keys for points that must not be picked while a valid candidate remains (see `_pick`).
+# Up to this many points per row, FPS computes all pairwise cosines at once (see below).
+_GRAM_MAX_POINTS = 256
+# Sort keys for points that must not be picked while a valid candidate remains (see `_pick` and
+# `farthest_point_sampling`).
 _AFTER_VALID = torch.finfo(torch.float32).max
 _NEVER = math.inf
 
@@ -151,23 +154,33 @@ def farthest_point_sampling(
 
     # Seed score: sum_j cos(i, j) over valid j = unit_i . sum_j unit_j. It is n_valid times the
     # mean, so its argmin is the same, without a division that could merge nearly equal means.
-    # Cosines are elementwise product + sum over D (not a GEMM), so identical points get bitwise
-    # identical scores and exact ties really break on the lowest index.
-    total = (unit * mask[..., None]).sum(dim=1)  # (B, D)
-    score = (unit * total[:, None, :]).sum(dim=-1)  # (B, N)
+    # Identical points get bitwise identical scores (the same products summed in the same order),
+    # so exact ties really break on the lowest index.
+    total = mask.to(unit.dtype).unsqueeze(1) @ unit  # (B, 1, D)
+    score = (unit @ total.transpose(1, 2)).squeeze(2)  # (B, N)
+    # Cosines to each new pick: for small N, rows of the pairwise cosine matrix (one batched GEMM,
+    # a few times faster than k elementwise passes over (B, N, D)); for large N (prompts), a pass
+    # per pick, since the matrix grows as N^2.
+    gram = unit @ unit.transpose(1, 2) if unit.shape[1] <= _GRAM_MAX_POINTS else None  # (B, N, N)
 
-    taken = torch.zeros_like(mask)
+    # One sort key per point, argmin picks: a valid candidate's key is its score (<= N), an invalid
+    # one's _AFTER_VALID (after every candidate, lowest index first), a picked one's _NEVER. The max
+    # with a cosine leaves the last two unchanged, so each step is a handful of kernels.
+    key = torch.where(mask, score, _AFTER_VALID)
     indices: list[Tensor] = []
     picked_valid: list[Tensor] = []
     for step in range(k):
-        pick, pick_valid = _pick(score, mask & ~taken, taken)
+        pick = key.argmin(dim=-1)  # argmin returns the first minimum: lowest index on ties
         indices.append(pick)
-        picked_valid.append(pick_valid)
-        taken = taken.scatter(1, pick[:, None], True)
-        chosen = unit.gather(1, pick[:, None, None].expand(b, 1, d))  # (B, 1, D)
-        similarity = (unit * chosen).sum(dim=-1)  # (B, N) cosine to the new point
-        # From now on the score is the max cosine to the selected set.
-        score = similarity if step == 0 else torch.maximum(score, similarity)
+        picked_valid.append(key.gather(1, pick[:, None]).squeeze(1) < _AFTER_VALID)
+        if gram is not None:
+            similarity = gram.gather(1, pick[:, None, None].expand(b, 1, gram.shape[2])).squeeze(1)
+        else:
+            chosen = unit.gather(1, pick[:, None, None].expand(b, 1, d))  # (B, 1, D)
+            similarity = (unit * chosen).sum(dim=-1)  # (B, N) cosine to the new point
+        # From now on a candidate's score is its max cosine to the selected set.
+        key = torch.where(key < _AFTER_VALID, similarity, key) if step == 0 else torch.maximum(key, similarity)
+        key = key.scatter(1, pick[:, None], _NEVER)
     return (
         torch.stack(indices, dim=-1).reshape(*lead, k),
         torch.stack(picked_valid, dim=-1).reshape(*lead, k),

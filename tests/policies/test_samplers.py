@@ -8,11 +8,14 @@ exactly: the lowest index must win.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from beaconkv.policies import samplers
 from beaconkv.policies.samplers import (
     FPS,
     SAMPLER_NAMES,
@@ -160,11 +163,24 @@ def test_seed_is_lowest_mean_cosine(case):
         assert_farthest(int(idx[0]), scores, p)
 
 
+@contextlib.contextmanager
+def cosine_path(gram: bool):
+    """Forces FPS's pairwise-cosine matrix (small N) or its pass per pick (large N)."""
+    before = samplers._GRAM_MAX_POINTS
+    samplers._GRAM_MAX_POINTS = 1 << 30 if gram else 0
+    try:
+        yield
+    finally:
+        samplers._GRAM_MAX_POINTS = before
+
+
+@pytest.mark.parametrize("gram", [True, False], ids=["pairwise", "per-pick"])
 @FAST
-@given(fps_cases())
-def test_each_pick_is_brute_force_farthest(case):
+@given(case=fps_cases())
+def test_each_pick_is_brute_force_farthest(gram, case):
     points, k, valid = case
-    assert_matches_brute_force(points, valid, *farthest_point_sampling(points, k, valid))
+    with cosine_path(gram):
+        assert_matches_brute_force(points, valid, *farthest_point_sampling(points, k, valid))
 
 
 @FAST
@@ -210,14 +226,16 @@ def test_seed_tie_goes_to_lowest_index():
     assert farthest_point_sampling(points, 2)[0].tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("gram", [True, False], ids=["pairwise", "per-pick"])
 @FAST
-@given(st.integers(1, 12), st.integers(2, 8), st.integers(0, 2**32 - 1))
-def test_duplicates_are_picked_lowest_index_first(n_distinct, d, seed):
+@given(n_distinct=st.integers(1, 12), d=st.integers(2, 8), seed=st.integers(0, 2**32 - 1))
+def test_duplicates_are_picked_lowest_index_first(gram, n_distinct, d, seed):
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(n_distinct, d, generator=g)
     source = torch.randint(n_distinct, (3 * n_distinct,), generator=g)
     points = torch.cat([base, base[source]])[torch.randperm(4 * n_distinct, generator=g)]
-    order = farthest_point_sampling(points, len(points))[0].tolist()
+    with cosine_path(gram):
+        order = farthest_point_sampling(points, len(points))[0].tolist()
     rank = {index: position for position, index in enumerate(order)}
     for j in range(len(points)):
         for i in range(j):
