@@ -104,6 +104,7 @@ class Table4Row:
         tokens_per_s: ``batch * 1000 / ms_per_step``.
         evictions: Evictions per sequence during the run.
         label: ``"largest batch"``, ``"FullKV's batch"`` or ``"fixed batch"``.
+        base_bytes: The fitted memory that does not grow with the batch (0 for a fixed batch).
     """
 
     policy: str
@@ -117,6 +118,15 @@ class Table4Row:
     tokens_per_s: float
     evictions: int
     label: str = ""
+    base_bytes: int = 0
+
+
+def smaller_batch(row: Table4Row | dict[str, Any], memory_limit: float) -> int:
+    """The batch to measure again when a fitted row's peak went over ``memory_limit``: its measured
+    per-sequence memory above the fitted base, scaled to the limit (always smaller than the row's)."""
+    r = row if isinstance(row, dict) else asdict(row)
+    per_seq = max((r["peak_bytes"] - r["base_bytes"]) / r["batch"], 1.0)
+    return max(1, min(r["batch"] - 1, int((memory_limit - r["base_bytes"]) // per_seq)))
 
 
 def _oom_types() -> tuple[type[BaseException], ...]:
@@ -219,18 +229,27 @@ def measure_table4(
                 t0 = time.perf_counter()
                 out, ms, peak = _timed_run(model, name, budget, b, prompt_tokens, generation_tokens, cycles,
                                            compile_config, rss_zero)
-                break
             except _oom_types():
                 if batch is not None or b == 1:
                     raise
                 b = max(1, int(b * 0.9))
                 log(f"  {name}: out of memory, retrying with batch {b}")
                 torch.cuda.empty_cache()
+                continue
+            if predicted and peak > memory_limit and b > 1 and device.type == "cuda":
+                # the fit underestimated: scale the batch to the measured per-sequence memory, measure again
+                # (on a CPU the resident peak of a process never drops: a fresh process retries instead)
+                b = smaller_batch({"peak_bytes": peak, "base_bytes": base, "batch": b}, memory_limit)
+                predicted = int(base + b * seq_bytes)
+                log(f"  {name}: peak {peak / 2**30:.2f} GiB is over the limit, retrying with batch {b}")
+                torch.cuda.empty_cache()
+                continue
+            break
         s = out.stats
         if name == "full":
             full_batch = b
         rows.append(Table4Row(name, None if name == "full" else budget, b, s.cache_capacity, s.cache_bytes, peak,
-                              predicted, ms, b * 1e3 / ms, s.evictions[0], label))
+                              predicted, ms, b * 1e3 / ms, s.evictions[0], label, base if predicted else 0))
         log(f"  {name}: batch {b}, capacity {s.cache_capacity}, KV {s.cache_bytes / 2**30:.2f} GiB, peak "
             f"{peak / 2**30:.2f} GiB, {ms:.1f} ms/step, {b * 1e3 / ms:.1f} tok/s ({time.perf_counter() - t0:.0f} s)")
         if device.type == "cuda":
@@ -251,7 +270,10 @@ def markdown_table4(result: dict[str, Any]) -> str:
     for r in rows:
         name = "FullKV" if r["policy"] == "full" else f"BeaconKV ({r['budget']})"
         name += f", {r['label']}" if r.get("label") else ""
-        mem_x = f"{full['peak_bytes'] / r['peak_bytes']:.1f}x less" if full and r is not full else "—"
+        mem_x = "—"
+        if full and r is not full:
+            ratio = full["peak_bytes"] / r["peak_bytes"]
+            mem_x = f"{ratio:.1f}x less" if ratio >= 1 else f"{1 / ratio:.1f}x more"
         tps_x = f"{r['tokens_per_s'] / full['tokens_per_s']:.1f}x" if full and r is not full else "—"
         lines.append(f"| {name} | {r['batch']} | {r['kv_cache_bytes'] / 2**30:.2f} | {r['peak_bytes'] / 2**30:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {r['ms_per_step']:.1f} | {mem_x} | {tps_x} |")
@@ -343,25 +365,40 @@ def _run_in_subprocesses(opt: Callable[[str], Any], names: tuple[str, ...],
              "max-batch": opt("max_batch"), "cycles": opt("cycles"), "mode": opt("mode")}
     result: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
-    for name in names:
-        if name.endswith("@full") and flags["batch"] is not None:
-            continue  # at a fixed batch it is the plain BeaconKV row
+    def measure(name: str, batch: int | None) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [sys.executable, "-m", "beaconkv.measure.table4", "--device", "cpu", "--in-process",
-                   "--policies", name.split("@")[0], "--threads", str(torch.get_num_threads()), "--out", tmp]
-            batch = flags["batch"]
-            if name.endswith("@full") and batch is None:
-                batch = next(r["batch"] for r in rows if r["policy"] == "full")
+                   "--policies", name, "--threads", str(torch.get_num_threads()), "--out", tmp]
             cmd += [x for k, v in {**flags, "batch": batch}.items() if v is not None for x in (f"--{k}", str(v))]
-            log(f"  {name}: measuring in a fresh process")
+            log(f"  {name}: measuring in a fresh process" + (f" at batch {batch}" if batch else ""))
             done = subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"table 4 for {name} failed (exit {done.returncode}): {' '.join(cmd)}")
-            result = json.loads((Path(tmp) / "table4.json").read_text())
-            for row in result["rows"]:
-                row["label"] = ("FullKV's batch" if name.endswith("@full") else
-                                "fixed batch" if flags["batch"] is not None else "largest batch")
-            rows += result["rows"]
+            return json.loads((Path(tmp) / "table4.json").read_text())
+
+    limit = (opt("memory_limit_gb") or 1.0) * 2**30
+    result: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        if name.endswith("@full") and flags["batch"] is not None:
+            continue  # at a fixed batch it is the plain BeaconKV row
+        batch = flags["batch"]
+        if name.endswith("@full") and batch is None:
+            batch = next(r["batch"] for r in rows if r["policy"] == "full")
+        result = measure(name.split("@")[0], batch)
+        row = result["rows"][0]
+        for _ in range(3):  # a fitted batch whose peak went over the limit: a smaller one, in a fresh process
+            if not row["predicted_bytes"] or row["peak_bytes"] <= limit or row["batch"] == 1:
+                break
+            smaller = smaller_batch(row, limit)
+            log(f"  {name}: peak {row['peak_bytes'] / 2**30:.2f} GiB at batch {row['batch']} is over the limit")
+            per_seq = (row["peak_bytes"] - row["base_bytes"]) / row["batch"]
+            result = measure(name, smaller)
+            row = {**result["rows"][0], "base_bytes": row["base_bytes"],
+                   "predicted_bytes": int(row["base_bytes"] + smaller * per_seq)}
+        row["label"] = ("FullKV's batch" if name.endswith("@full") else
+                        "fixed batch" if flags["batch"] is not None else "largest batch")
+        rows.append(row)
     result["rows"] = rows
     return result
 

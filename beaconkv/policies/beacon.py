@@ -129,6 +129,11 @@ class BeaconKV(EvictionPolicy):
         ratio: ``B_min = floor(ratio * budget)``.
         telemetry: Record kept positions and the beacon/recent positions of each eviction.
 
+    Attributes:
+        all_obs: Every layer's observation set (bounded samplers), stacked:
+            ``(layers, batch, query heads, n_beacon, head_dim)``; ``obs[layer]`` is a view of one layer.
+        all_beacons: Every layer's frozen beacons, stacked likewise; ``beacons[layer]`` is a view.
+
     Example:
         >>> policy = BeaconKV(budget=2048, n_beacon=16, n_recent=16, aggregation="max")
         >>> # out = beaconkv.generate(model, tok, prompts, policy=policy)
