@@ -21,6 +21,7 @@ from beaconkv.measure.speed import (
     weight_bytes_per_step,
 )
 from beaconkv.measure.table4 import (
+    smaller_batch,
     markdown_table4,
     measure_table4,
     qwen3_4b_config,
@@ -130,3 +131,12 @@ def test_table4_at_a_fixed_batch(llama):
     text = markdown_table4({"model": "tiny", "dtype": "fp32", "generation_tokens": 512, "memory_limit_gib": 1.0,
                             "mode": "eager", "memory": "rss", "rows": [vars(r) for r in rows]})
     assert "| FullKV, fixed batch | 2 |" in text and "| BeaconKV (128), fixed batch | 2 |" in text
+
+
+def test_over_limit_batch_is_scaled_to_the_measured_per_sequence_memory():
+    MiB = 2**20
+    # base 512 MiB, batch 16 peaked at 512 + 16 * 50 MiB: 50 MiB per sequence -> 10 fit in 1024 MiB
+    assert smaller_batch({"peak_bytes": 1312 * MiB, "base_bytes": 512 * MiB, "batch": 16}, 1024 * MiB) == 10
+    # always smaller than the batch that went over, never below 1
+    assert smaller_batch({"peak_bytes": 1040 * MiB, "base_bytes": 0, "batch": 16}, 1024 * MiB) == 15
+    assert smaller_batch({"peak_bytes": 3072 * MiB, "base_bytes": 900 * MiB, "batch": 2}, 1024 * MiB) == 1
