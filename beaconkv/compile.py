@@ -27,8 +27,9 @@ they go through inductor; batch-1 matmuls become inductor's own vectorised reduc
 What stays eager, by design: the prefill (one call per generation); evictions of only *some* rows
 of the batch (ragged schedules, e.g. an int ``n_prefix`` with prompts of different lengths, whose
 rows reach the budget at different steps), of policies that override
-:meth:`~beaconkv.policies.EvictionPolicy.evict` with a schedule this module does not know, or with
-telemetry on (it reads the device). :class:`CompiledDecoding` counts the evictions that took the
+:meth:`~beaconkv.policies.EvictionPolicy.evict_layers`, or with telemetry on (it reads the device).
+Only the cache work of an eviction is compiled: the policy's own ``evict`` (its schedule, keep
+counts, BeaconKV's freeze and roll) runs as always and calls it. :class:`CompiledDecoding` counts the evictions that took the
 graph (``GenerationStats.compiled_evictions``). Nothing falls back silently: a step that fails to
 compile raises :class:`CompileError`.
 
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -324,7 +324,7 @@ class CompiledDecoding:
     """The compiled steps of one generation, bound to its model, cache and policy.
 
     Construct after :meth:`EvictionPolicy.start`; call :meth:`step` once per decode step and
-    :meth:`close` at the end. While bound, the policy's ``evict`` (and BeaconKV's
+    :meth:`close` at the end. While bound, the policy's ``evict_layers`` (and BeaconKV's
     :meth:`~beaconkv.policies.BeaconKV.select_queries`) are routed through the compiled steps for
     full-batch schedules and back to the policy's own methods otherwise; :meth:`close` removes the
     routing.
@@ -333,12 +333,12 @@ class CompiledDecoding:
         config: Compilation settings.
         model: The model.
         cache: The generation's cache.
-        policy: The generation's policy (its ``evict`` is routed through the compiled eviction step).
+        policy: The generation's policy (its ``evict_layers`` is routed through the compiled eviction step).
         params: Sampling parameters.
 
     Attributes:
         compiled_evictions: Evictions that ran as the compiled step.
-        eager_evictions: Evictions that ran eagerly (partial rows, telemetry, unknown ``evict``).
+        eager_evictions: Evictions that ran eagerly (partial rows of the batch).
     """
 
     def __init__(
@@ -357,12 +357,12 @@ class CompiledDecoding:
         self._layerwise = (not self.cuda_graphs) if layerwise is None else layerwise
         self.compiled_evictions = 0
         self.eager_evictions = 0
-        self._policy_evict = policy.evict  # the policy's own (bound) evict, for the eager cases
-        self._beacon = isinstance(policy, BeaconKV) and type(policy).evict is BeaconKV.evict
-        known = type(policy).evict in (EvictionPolicy.evict, BeaconKV.evict)
+        self._policy_evict_layers = policy.evict_layers  # the policy's own (bound), for the eager cases
+        self._beacon = isinstance(policy, BeaconKV)
+        known = type(policy).evict_layers is EvictionPolicy.evict_layers
         self._evict_compiled = config.eviction and policy.budget is not None and known and not policy.telemetry
         if self._evict_compiled:
-            policy.evict = self._evict  # type: ignore[method-assign]
+            policy.evict_layers = self._evict_layers  # type: ignore[method-assign]
         self._maintain = (isinstance(policy, BeaconKV) and type(policy).select_queries is BeaconKV.select_queries
                           and config.maintenance and policy.sampler.bounded and not policy.telemetry)
         if self._maintain:
@@ -370,7 +370,7 @@ class CompiledDecoding:
 
     def close(self) -> None:
         """Restores the policy's own methods."""
-        for name in ("evict", "select_queries"):
+        for name in ("evict_layers", "select_queries"):
             self.policy.__dict__.pop(name, None)
 
     # ------------------------------------------------------------------ decode
@@ -387,7 +387,7 @@ class CompiledDecoding:
             torch.compiler.cudagraph_mark_step_begin()
         with compile_guard("decode step"):
             out = self._decode(self.model, self.cache, tokens, positions, noise, self.params)
-        return out.clone()  # a CUDA-graph output is overwritten by the next replay
+        return out.clone() if self.cuda_graphs else out  # a CUDA-graph output is overwritten by the next replay
 
     # ---------------------------------------------------------------- eviction
     def _full_batch(self, rows: list[int]) -> bool:
@@ -396,37 +396,27 @@ class CompiledDecoding:
     def _host(self, values: list[int]) -> Tensor:
         return torch.tensor(values, device=self.device)
 
-    def _evict(self, rows: list[int]) -> None:
-        """The policy's ``evict`` with the per-layer work as one compiled step (full-batch evictions)."""
+    def _evict_layers(self, rows: list[int], rows_t: Tensor, t: Tensor, n_prefix: Tensor, keep_total: Tensor,
+                      keep_max: int) -> None:
+        """The policy's :meth:`~beaconkv.policies.EvictionPolicy.evict_layers` as compiled graphs (full-batch
+        evictions); same arguments."""
         p = self.policy
         if not self._full_batch(rows):
             self.eager_evictions += 1
-            return self._policy_evict(rows)
-        if self._beacon:  # BeaconKV.evict: rows still accumulating freeze first (only when n_recent == 0)
-            unfrozen = [b for b in rows if p.phase[b] == "accumulate"]
-            if unfrozen:
-                p._freeze(unfrozen)
-        t0 = time.perf_counter()
-        kept = p.keep_count(rows) if hasattr(p, "keep_count") else [p.b_min] * len(rows)
-        totals = [p.prefix[b] + k for b, k in zip(rows, kept)]
-        recent = [p.recent_since[b] for b in rows] if self._beacon else [0] * len(rows)
-        args = (self._host(rows), self._host([p.t[b] for b in rows]), self._host([p.prefix[b] for b in rows]),
-                self._host(totals), self._host(recent), max(totals))
+            return self._policy_evict_layers(rows, rows_t, t, n_prefix, keep_total, keep_max)
+        recent = self._host([p.recent_since[b] for b in rows] if self._beacon else [0] * len(rows))
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with compile_guard(f"eviction step of {type(p).__name__}"):
             if self._layerwise:
                 step = compiled(evict_layer, self.config, self.device)
                 for i, layer in enumerate(self.cache.layers):
-                    step(p, i, layer, *args[:-1], p.beacons[i] if self._beacon else None, args[-1])
+                    step(p, i, layer, rows_t, t, n_prefix, keep_total, recent, p.beacons[i] if self._beacon else None,
+                         keep_max)
             else:
-                compiled(evict_model, self.config, self.device)(p, self.cache, *args)
-        for b, k in zip(rows, kept):
-            p.count[b] = k
-            p.stats.evictions[b] += 1
+                compiled(evict_model, self.config, self.device)(p, self.cache, rows_t, t, n_prefix, keep_total, recent,
+                                                                keep_max)
         self.compiled_evictions += 1
-        p.after_evict(rows)
-        p.stats.eviction_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------- maintenance
     def _select_queries(self, queries: QuerySet, k: int) -> QuerySet:

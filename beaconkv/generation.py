@@ -249,14 +249,13 @@ def generate(
                 break
             if runner is not None:  # decode + sample in one graph; the policy then acts between steps
                 tokens = runner.step(tokens, positions, generator)
-                t_policy = time.perf_counter()
-                policy.after_decode_step()
             else:
                 logits = model.decode_step(tokens, positions, cache)
-                t_policy = time.perf_counter()
-                policy.after_decode_step()
-                tokens = sample_next(logits, params, generator)
+            t_policy = time.perf_counter()
+            policy.after_decode_step()
             policy_s += time.perf_counter() - t_policy
+            if runner is None:
+                tokens = sample_next(logits, params, generator)
             steps += 1
             positions += 1
         finished_l = finished.tolist()

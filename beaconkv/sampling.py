@@ -68,7 +68,7 @@ def sample_next(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(-1)
-    race = noise if noise is not None else torch.empty_like(probs).exponential_(1.0, generator=generator)
+    race = noise if noise is not None else race_noise(*probs.shape, probs.device, generator)
     return (probs / race).argmax(-1)
 
 

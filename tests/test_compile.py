@@ -104,7 +104,7 @@ def test_one_eviction_graph_serves_every_layer(llama):
 def test_policy_methods_are_restored(llama):
     policy = BeaconKV(BUDGET)
     beaconkv.generate(llama, None, _prompts(), max_new_tokens=40, eos_token_ids=[], policy=policy, compile=TRACE)
-    assert not {"evict", "select_queries"} & set(vars(policy))
+    assert not {"evict", "evict_layers", "select_queries"} & set(vars(policy))
 
 
 def test_beacon_maintenance_sampler_call_is_one_graph_for_all_layers(llama):

@@ -274,25 +274,45 @@ class EvictionPolicy:
         assert self.cache is not None
         t0 = time.perf_counter()
         device = self.cache[0].pos.device
-        rows_t = torch.tensor(rows, device=device)
-        t = torch.tensor([self.t[b] for b in rows], device=device)
-        n_prefix = torch.tensor([self.prefix[b] for b in rows], device=device)
         kept_counts = self.keep_count(rows)
-        keep_total = n_prefix + torch.tensor(kept_counts, device=device)
+        totals = [self.prefix[b] + k for b, k in zip(rows, kept_counts)]
+
+        def host(values: list[int]) -> Tensor:
+            return torch.tensor(values, device=device)
+
+        self.evict_layers(rows, host(rows), host([self.t[b] for b in rows]), host([self.prefix[b] for b in rows]),
+                          host(totals), max(totals))
+        for b, kept_count in zip(rows, kept_counts):
+            self.count[b] = kept_count
+            self.stats.evictions[b] += 1
+        self.after_evict(rows)
+        self.stats.eviction_seconds += time.perf_counter() - t0
+
+    def evict_layers(
+        self, rows: list[int], rows_t: Tensor, t: Tensor, n_prefix: Tensor, keep_total: Tensor, keep_max: int
+    ) -> None:
+        """The part of :meth:`evict` that touches the cache: scores, selects and compacts ``rows`` in every layer.
+
+        Compiled decoding runs it as compiled graphs for full-batch evictions; the bookkeeping around
+        it stays :meth:`evict`'s.
+
+        Args:
+            rows: The batch indices (host).
+            rows_t: The same, ``(b,)`` on the cache's device.
+            t: ``(b,)`` newest positions.
+            n_prefix: ``(b,)`` protected prefix lengths.
+            keep_total: ``(b,)`` slots each row keeps.
+            keep_max: ``max(keep_total)``, known on the host.
+        """
         for i, layer in enumerate(self.cache.layers):
             scores = self.score(i, layer, rows_t, t)
-            keep, keep_valid = select_keep(scores, layer.pos[rows_t], n_prefix, t, self.n_recent, keep_total)
+            keep, keep_valid = select_keep(scores, layer.pos[rows_t], n_prefix, t, self.n_recent, keep_total, keep_max)
             if self.telemetry:
                 kept = torch.where(keep_valid, torch.gather(layer.pos[rows_t], -1, keep), -1)
                 self.stats.telemetry.append(
                     EvictionRecord(self.step, i, list(rows), kept.cpu(), self.observed_positions(i, rows_t, t))
                 )
             layer.compact(rows_t, keep, keep_valid)
-        for b, kept_count in zip(rows, kept_counts):
-            self.count[b] = kept_count
-            self.stats.evictions[b] += 1
-        self.after_evict(rows)
-        self.stats.eviction_seconds += time.perf_counter() - t0
 
     def keep_count(self, rows: list[int]) -> list[int]:
         """Evictable tokens each of the given sequences keeps at this eviction. Default: ``B_min``.
