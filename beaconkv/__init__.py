@@ -8,8 +8,11 @@ Public API::
 """
 
 from .cache import KVCache, LayerKVCache
+from .execution import CompileConfig, CompileError
 from .generation import GenerationOutput, GenerationStats, PromptError, generate
-from .models import CausalLM, ModelConfig, load_model
+from .models import CausalLM, ModelConfig, build_model, load_model
+from .session import Session
+from .storage import DenseKV, Int8KV, KVStorage
 from .tokenizer import Tokenizer, load_tokenizer
 
 
@@ -29,6 +32,7 @@ def embedded_model_path(cache_dir=None):
 
 __version__ = "0.1.0"
 __all__ = [
-    "CausalLM", "GenerationOutput", "GenerationStats", "KVCache", "LayerKVCache", "ModelConfig", "PromptError",
-    "Tokenizer", "embedded_model_path", "generate", "load_model", "load_tokenizer",
+    "CausalLM", "CompileConfig", "CompileError", "DenseKV", "GenerationOutput", "GenerationStats", "Int8KV",
+    "KVCache", "KVStorage", "LayerKVCache", "ModelConfig", "PromptError", "Session", "Tokenizer", "build_model",
+    "embedded_model_path", "generate", "load_model", "load_tokenizer",
 ]

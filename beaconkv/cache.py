@@ -1,23 +1,32 @@
-"""Fixed-capacity KV cache: storage, writes, validity masks and in-place compaction.
+"""Fixed-capacity KV cache: one layer's storage plus the bookkeeping every policy reads.
 
-Layout of one layer (:class:`LayerKVCache`), all buffers allocated once per generation:
+Layout of one layer (:class:`LayerKVCache`), all buffers allocated once:
 
-* ``k``, ``v``: ``(batch, kv_heads, capacity, head_dim)``. Keys are stored **post-RoPE** at their
-  own absolute positions and are never re-rotated.
-* ``pos``: ``(batch, kv_heads, capacity)`` int64, the absolute position held by every slot, ``-1``
-  for an empty slot. Each (sequence, KV head) may hold a *different* set of positions, always in
-  increasing order in slots ``0 .. length-1``.
+* ``storage``: a :class:`~beaconkv.storage.KVStorage` holding keys and values in ``capacity`` slots
+  per (sequence, KV head) — dense or int8, see :mod:`beaconkv.storage`. Keys are stored **post-RoPE**
+  at their own absolute positions and are never re-rotated.
+* ``pos``: ``(batch, kv_heads, capacity)`` int64, the absolute position each slot holds, ``-1`` for an
+  empty slot. Each (sequence, KV head) may hold a *different* set of positions, always increasing in
+  slots ``0 .. length-1``.
 * ``length``: ``(batch,)`` filled slots per sequence (the same for every KV head of a sequence,
   because every eviction keeps the same number of tokens per head).
-* ``queries`` / ``query_pos``: an optional ring of the last ``query_window`` **pre-RoPE** queries
-  per query head, slot ``position % query_window``; eviction policies read their observation
-  windows from it.
+* ``queries`` / ``query_pos``: an optional ring of the last ``query_window`` **pre-RoPE** queries per
+  query head, slot ``position % query_window``; policies read their observation windows from it.
+* ``active``: ``(batch,)`` bool, shared by every layer of a :class:`KVCache`: the rows that decode.
+  A slot pool's idle rows write nothing that counts (their slot stays empty, their length fixed).
 * slot buffers: per-slot tensors a policy registers (e.g. H2O's accumulated attention); they move
   with the keys on compaction.
 
-The decode-time write (:meth:`LayerKVCache.append`) is a handful of in-place scatters with static
-shapes and no host synchronisation, so it can be compiled and captured in a CUDA graph. Buffers
-are mutated with ``copy_``/``scatter_``, never rebound, so compiled graphs keep their addresses.
+The attention ↔ cache contract (what :class:`~beaconkv.models.attention.Attention` calls, and what
+any replacement attention must call to keep every policy working):
+
+1. prefill: :meth:`LayerKVCache.write_prefill` with the prompt's post-RoPE keys, values and pre-RoPE
+   queries (after Qwen3's ``q_norm``);
+2. decode: :meth:`LayerKVCache.append` with the step's key, value and pre-RoPE query, then
+   :meth:`LayerKVCache.attend` with the step's (rotated) query: attention over every filled slot.
+
+Both decode calls have static shapes, write in place and never read the device from the host, so the
+whole decode step compiles into one graph (and a CUDA graph).
 
 The policy decides *what* to keep; :meth:`LayerKVCache.compact` does the moving.
 """
@@ -27,7 +36,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
+
+from .storage import KVStorage, make_storage
 
 
 class CacheCapacityError(ValueError):
@@ -35,143 +47,154 @@ class CacheCapacityError(ValueError):
 
 
 class LayerKVCache(nn.Module):
-    """Fixed-capacity key/value storage for one attention layer.
+    """Fixed-capacity key/value cache of one attention layer.
 
     Args:
-        batch: Sequences in the batch.
-        n_kv_heads: Key/value heads.
-        n_heads: Query heads (for the query ring).
-        capacity: Slots per (sequence, KV head).
-        head_dim: Width of a head.
-        dtype: Storage dtype of keys, values and queries.
-        device: Storage device.
+        storage: Holds the keys and values (its sizes are the cache's).
+        n_heads: Query heads (for the query ring and the GQA grouping).
         query_window: Length of the pre-RoPE query ring (0: no ring).
-        track_attention: Whether attention layers must report decode attention weights through
-            :meth:`record_attention` (H2O-style policies).
+        track_attention: Whether :meth:`attend` must report decode attention weights through
+            :attr:`attention_hook` (policies that observe attention, such as H2O).
 
     Invariants:
         * ``length[b] <= capacity``; slots ``>= length[b]`` have ``pos == -1``.
         * Positions in slots ``0 .. length[b]-1`` are strictly increasing per (sequence, KV head).
-        * Stored K/V of kept positions are bit-identical to what was written.
+        * Kept K/V are the values written for those positions (bit-identical in dense storage).
     """
 
-    def __init__(
-        self,
-        batch: int,
-        n_kv_heads: int,
-        n_heads: int,
-        capacity: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        query_window: int = 0,
-        track_attention: bool = False,
-    ) -> None:
+    def __init__(self, storage: KVStorage, n_heads: int, query_window: int = 0, track_attention: bool = False) -> None:
         super().__init__()
-        if capacity < 1:
-            raise CacheCapacityError(f"capacity={capacity} must be at least 1.")
-        self.batch, self.n_kv_heads, self.n_heads = batch, n_kv_heads, n_heads
-        self.capacity, self.head_dim, self.query_window = capacity, head_dim, query_window
+        if n_heads % storage.n_kv_heads:
+            raise CacheCapacityError(f"n_heads={n_heads} is not a multiple of n_kv_heads={storage.n_kv_heads}.")
+        self.storage = storage
+        self.batch, self.n_kv_heads, self.n_heads = storage.batch, storage.n_kv_heads, n_heads
+        self.capacity, self.head_dim, self.query_window = storage.capacity, storage.head_dim, query_window
         self.track_attention = track_attention
-        shape = (batch, n_kv_heads, capacity, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer(
-            "pos", torch.full(shape[:3], -1, dtype=torch.long, device=device), persistent=False
-        )
-        self.register_buffer("length", torch.zeros(batch, dtype=torch.long, device=device), persistent=False)
-        qshape = (batch, n_heads, query_window, head_dim)
-        self.register_buffer("queries", torch.zeros(qshape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer(
-            "query_pos", torch.full((batch, query_window), -1, dtype=torch.long, device=device), persistent=False
-        )
+        device = storage.device
+        shape = (self.batch, self.n_kv_heads, self.capacity)
+        self.register_buffer("pos", torch.full(shape, -1, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("length", torch.zeros(self.batch, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("active", torch.ones(self.batch, dtype=torch.bool, device=device), persistent=False)
+        qshape = (self.batch, n_heads, query_window, self.head_dim)
+        self.register_buffer("queries", torch.zeros(qshape, dtype=storage.dtype, device=device), persistent=False)
+        self.register_buffer("query_pos", torch.full((self.batch, query_window), -1, dtype=torch.long, device=device),
+                             persistent=False)
         self.slot_buffers: dict[str, Tensor] = {}
-        #: Called as ``hook(q_pre, positions, valid)`` at prefill; set by the policy.
-        self.prefill_hook: Callable[[Tensor, Tensor, Tensor], None] | None = None
+        #: Called as ``hook(q_pre, positions, valid, rows)`` at prefill (a policy's prefill observation).
+        self.prefill_hook: Callable[[Tensor, Tensor, Tensor, Tensor], None] | None = None
         #: Called as ``hook(weights)`` with decode attention weights ``(batch, kv_heads, group, capacity)``.
         self.attention_hook: Callable[[Tensor], None] | None = None
 
-    # ------------------------------------------------------------------ writes
-    def write_prefill(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
-        """Writes a (right-padded) prompt into slots ``0 .. L-1``.
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (what :meth:`keys` returns and attention computes in)."""
+        return self.storage.dtype
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.n_heads // self.n_kv_heads
+
+    # ------------------------------------------------------------------------------- writes
+    def write_prefill(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor, valid: Tensor,
+                      rows: Tensor | None = None) -> None:
+        """Writes (right-padded) prompts into slots ``0 .. L-1`` of some sequences, emptying the rest.
 
         Args:
-            k: Post-RoPE keys ``(batch, kv_heads, L, head_dim)``.
+            k: Post-RoPE keys ``(b, kv_heads, L, head_dim)``.
             v: Values, same shape.
-            q_pre: Pre-RoPE queries ``(batch, heads, L, head_dim)``.
-            positions: ``(batch, L)`` absolute positions.
-            valid: ``(batch, L)`` bool, False on padding.
+            q_pre: Pre-RoPE queries ``(b, heads, L, head_dim)``.
+            positions: ``(b, L)`` absolute positions.
+            valid: ``(b, L)`` bool, False on padding.
+            rows: ``(b,)`` the sequences written (None: all, ``b == batch``).
 
         Raises:
             CacheCapacityError: ``L`` exceeds the capacity.
         """
-        L = k.shape[2]
+        b, _, L, _ = k.shape
         if L > self.capacity:
             raise CacheCapacityError(
                 f"prompt of {L} tokens does not fit a cache of capacity {self.capacity}; "
                 "raise the budget / max_new_tokens or shorten the prompt."
             )
-        self.k[:, :, :L].copy_(k)
-        self.v[:, :, :L].copy_(v)
-        self.pos.fill_(-1)
-        self.pos[:, :, :L].copy_(torch.where(valid, positions, -1)[:, None, :].expand(-1, self.n_kv_heads, -1))
-        self.length.copy_(valid.sum(-1))
+        rows_t = torch.arange(b, device=k.device) if rows is None else rows
+        slots = torch.arange(L, device=k.device).expand(b, L)
+        self.storage.write(rows_t, slots, k, v)
+        pos = torch.full((b, self.n_kv_heads, self.capacity), -1, dtype=torch.long, device=k.device)
+        pos[:, :, :L] = torch.where(valid, positions, -1)[:, None, :]
+        lengths = valid.sum(-1)
+        if rows is None:
+            self.pos.copy_(pos)
+            self.length.copy_(lengths)
+        else:
+            self.pos[rows] = pos
+            self.length[rows] = lengths
         for buf in self.slot_buffers.values():
-            buf.zero_()
+            buf[rows_t] = 0
         if self.query_window:
-            self._write_prefill_queries(q_pre, self.length)
+            self._write_prefill_queries(q_pre, lengths, rows_t)
         if self.prefill_hook is not None:
-            self.prefill_hook(q_pre, positions, valid)
+            self.prefill_hook(q_pre, positions, valid, rows_t)
 
-    def _write_prefill_queries(self, q_pre: Tensor, lengths: Tensor) -> None:
+    def _write_prefill_queries(self, q_pre: Tensor, lengths: Tensor, rows: Tensor) -> None:
         """Puts the last ``query_window`` prompt queries of each sequence into the ring."""
         R = self.query_window
         slots = torch.arange(R, device=lengths.device)
-        last = lengths[:, None] - 1  # (batch, 1)
+        last = lengths[:, None] - 1  # (b, 1)
         # the latest prompt position p <= last with p % R == slot
-        p = last - torch.remainder(last - slots, R)  # (batch, R)
+        p = last - torch.remainder(last - slots, R)  # (b, R)
         ok = p >= 0
         idx = p.clamp(min=0)
         gathered = torch.gather(q_pre, 2, idx[:, None, :, None].expand(-1, q_pre.shape[1], -1, q_pre.shape[3]))
-        self.queries.copy_(torch.where(ok[:, None, :, None], gathered, 0).to(self.queries.dtype))
-        self.query_pos.copy_(torch.where(ok, p, -1))
+        self.queries[rows] = torch.where(ok[:, None, :, None], gathered, 0).to(self.queries.dtype)
+        self.query_pos[rows] = torch.where(ok, p, -1)
 
-    def append(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Writes one decode token per sequence at slot ``length[b]`` and returns the whole cache.
+    def append(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor) -> None:
+        """Writes one decode token per sequence at slot ``length[b]``.
 
-        Static shapes, in-place, no host sync. The caller (the policy driver) guarantees there is a
-        free slot: it evicts before the cache is full.
+        Static shapes, in place, no host sync. The caller (the policy) guarantees a free slot for
+        every active sequence: it evicts before the cache is full. Rows that are not :attr:`active`
+        write an empty slot (position ``-1``) and keep their length.
 
         Args:
             k: Post-RoPE key ``(batch, kv_heads, 1, head_dim)``.
             v: Value, same shape.
             q_pre: Pre-RoPE query ``(batch, heads, 1, head_dim)``.
             positions: ``(batch,)`` absolute position of the new token.
-
-        Returns:
-            ``(k, v, valid)``: the full key/value buffers and the ``(batch, kv_heads, capacity)`` bool
-            mask of filled slots.
         """
-        B, H, _, D = k.shape
-        slot = self.length.view(B, 1, 1, 1).expand(B, H, 1, D)
-        self.k.scatter_(2, slot, k.to(self.k.dtype))
-        self.v.scatter_(2, slot, v.to(self.v.dtype))
-        self.pos.scatter_(2, slot[..., 0], positions.view(B, 1, 1).expand(B, H, 1))
+        B = k.shape[0]
+        slot = self.length.clamp(max=self.capacity - 1)  # an idle row may sit on a full cache
+        self.storage.append(slot, k, v)
+        held = torch.where(self.active, positions, -1)
+        index = slot.view(B, 1, 1).expand(B, self.n_kv_heads, 1)
+        self.pos.scatter_(2, index, held.view(B, 1, 1).expand(B, self.n_kv_heads, 1))
         for buf in self.slot_buffers.values():
-            buf.scatter_(2, slot[..., 0], 0)
-        self.length.add_(1)
+            buf.scatter_(2, index, 0)
+        self.length.add_(self.active.long())
         if self.query_window:
             qslot = torch.remainder(positions, self.query_window).view(B, 1)
             self.queries.scatter_(
-                2, qslot.view(B, 1, 1, 1).expand(B, self.n_heads, 1, D), q_pre.to(self.queries.dtype)
+                2, qslot.view(B, 1, 1, 1).expand(B, self.n_heads, 1, self.head_dim), q_pre.to(self.queries.dtype)
             )
-            self.query_pos.scatter_(1, qslot, positions.view(B, 1))
-        return self.k, self.v, self.pos >= 0
+            self.query_pos.scatter_(1, qslot, held.view(B, 1))
 
-    def record_attention(self, weights: Tensor) -> None:
-        """Forwards decode attention weights ``(batch, kv_heads, group, capacity)`` to the policy hook."""
-        if self.attention_hook is not None:
+    def attend(self, q: Tensor, scale: float) -> Tensor:
+        """Attention of the step's rotated queries over every filled slot (call after :meth:`append`).
+
+        Args:
+            q: ``(batch, heads, 1, head_dim)`` post-RoPE queries.
+            scale: Logit scale.
+
+        Returns:
+            ``(batch, heads, 1, head_dim)``.
+        """
+        # the GQA group plays the role of the query length: no repeat of K/V needed
+        qg = rearrange(q, "b (kv g) 1 d -> b kv g d", kv=self.n_kv_heads)
+        mask = (self.pos >= 0).unsqueeze(2)  # (batch, kv_heads, 1, capacity)
+        out, weights = self.storage.attend(qg, mask, scale, need_weights=self.track_attention)
+        if weights is not None and self.attention_hook is not None:
             self.attention_hook(weights)
+        return rearrange(out, "b kv g d -> b (kv g) 1 d")
 
     def register_slot_buffer(self, name: str, dtype: torch.dtype = torch.float32) -> Tensor:
         """Allocates a zeroed per-slot buffer ``(batch, kv_heads, capacity)`` that moves with the keys.
@@ -185,9 +208,49 @@ class LayerKVCache(nn.Module):
         """
         buf = torch.zeros(self.pos.shape, dtype=dtype, device=self.pos.device)
         self.slot_buffers[name] = buf
+        self.register_buffer(f"slot_{name}", buf, persistent=False)  # among the module's buffers too
         return buf
 
-    # ------------------------------------------------------------- compaction
+    # ------------------------------------------------------------------------------- reads
+    def keys(self, rows: Tensor | None = None) -> Tensor:
+        """Post-RoPE keys in the compute dtype, ``(b, kv_heads, capacity, head_dim)`` (see :meth:`KVStorage.keys`)."""
+        return self.storage.keys(rows)
+
+    def values(self, rows: Tensor | None = None) -> Tensor:
+        """Values in the compute dtype, like :meth:`keys`."""
+        return self.storage.values(rows)
+
+    def positions(self, rows: Tensor | None = None) -> Tensor:
+        """``(b, kv_heads, capacity)`` position held by each slot (``-1`` empty)."""
+        return self.pos if rows is None else self.pos[rows]
+
+    @property
+    def k(self) -> Tensor:
+        """All keys in the compute dtype (read-only for non-dense storages); see :meth:`keys`."""
+        return self.storage.keys()
+
+    @property
+    def v(self) -> Tensor:
+        """All values in the compute dtype; see :meth:`values`."""
+        return self.storage.values()
+
+    def ring(self, rows: Tensor, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Pre-RoPE queries of the ring whose positions lie in ``(lo, hi]``.
+
+        Args:
+            rows: ``(b,)`` sequences.
+            lo: ``(b,)`` exclusive lower position bound.
+            hi: ``(b,)`` inclusive upper position bound.
+
+        Returns:
+            ``(queries (b, heads, R, head_dim), positions (b, R), mask (b, R))``.
+        """
+        q = self.queries[rows]
+        qpos = self.query_pos[rows]
+        mask = (qpos >= 0) & (qpos > lo[:, None]) & (qpos <= hi[:, None])
+        return q, qpos, mask
+
+    # ------------------------------------------------------------------------------- moves
     def compact(self, rows: Tensor, keep: Tensor, keep_valid: Tensor) -> None:
         """Keeps the given slots of some sequences, moved to the front in the given (position) order.
 
@@ -198,12 +261,7 @@ class LayerKVCache(nn.Module):
                 every KV head of a sequence must keep the same number of slots).
         """
         K = keep.shape[-1]
-        D = self.head_dim
-        idx4 = keep.unsqueeze(-1).expand(-1, -1, -1, D)
-        for name in ("k", "v"):
-            buf = getattr(self, name)
-            kept = torch.gather(buf[rows], 2, idx4)
-            buf[rows, :, :K] = kept
+        self.storage.compact(rows, keep)
         new_pos = torch.where(keep_valid, torch.gather(self.pos[rows], 2, keep), -1)
         self.pos[rows, :, :K] = new_pos
         self.pos[rows, :, K:] = -1
@@ -213,13 +271,22 @@ class LayerKVCache(nn.Module):
             buf[rows, :, K:] = 0
         self.length[rows] = keep_valid[:, 0].sum(-1)
 
-    def positions_of(self, rows: Tensor | None = None) -> Tensor:
-        """Returns the ``pos`` buffer (optionally for some sequences)."""
-        return self.pos if rows is None else self.pos[rows]
+    def reset_rows(self, rows: Tensor) -> None:
+        """Empties some sequences (a slot pool's retired rows): no slot filled, no query in the ring."""
+        self.pos[rows] = -1
+        self.length[rows] = 0
+        if self.query_window:
+            self.query_pos[rows] = -1
+        for buf in self.slot_buffers.values():
+            buf[rows] = 0
+
+    def nbytes(self) -> int:
+        """Bytes of keys and values (and their scales) held by this layer."""
+        return self.storage.nbytes()
 
 
 class KVCache(nn.Module):
-    """The per-layer caches of one model, allocated once per generation.
+    """The per-layer caches of one model, allocated once.
 
     Args:
         layers: One :class:`LayerKVCache` per decoder layer.
@@ -228,6 +295,13 @@ class KVCache(nn.Module):
     def __init__(self, layers: list[LayerKVCache]) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        for layer in layers[1:]:  # one active mask for the whole model
+            layer.active = layers[0].active
+
+    @property
+    def active(self) -> Tensor:
+        """``(batch,)`` bool: the rows that decode (shared by every layer; set it in place)."""
+        return self.layers[0].active
 
     @classmethod
     def allocate(
@@ -242,16 +316,38 @@ class KVCache(nn.Module):
         device: torch.device | str = "cpu",
         query_window: int = 0,
         track_attention: bool = False,
-    ) -> "KVCache":
-        """Allocates ``n_layers`` identical layer caches (see :class:`LayerKVCache` for the arguments)."""
-        return cls(
-            [
-                LayerKVCache(
-                    batch, n_kv_heads, n_heads, capacity, head_dim, dtype, device, query_window, track_attention
-                )
-                for _ in range(n_layers)
-            ]
-        )
+        storage: str | type[KVStorage] = "dense",
+        storage_dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """Allocates ``n_layers`` identical layer caches.
+
+        Args:
+            n_layers: Decoder layers.
+            batch: Sequences (slots of a pool).
+            n_kv_heads: Key/value heads.
+            n_heads: Query heads.
+            capacity: Slots per (sequence, KV head).
+            head_dim: Width of a head.
+            dtype: Compute dtype (the model's).
+            device: Where the buffers live.
+            query_window: Pre-RoPE query ring length (0: none).
+            track_attention: Report decode attention weights (see :class:`LayerKVCache`).
+            storage: ``"dense"``, ``"int8"`` or a :class:`~beaconkv.storage.KVStorage` subclass.
+            storage_dtype: Dtype a dense storage keeps keys and values in (None: ``dtype``).
+
+        Raises:
+            CacheCapacityError: ``capacity < 1``.
+            beaconkv.storage.StorageError: Unknown storage or an impossible ``storage_dtype``.
+        """
+        if capacity < 1:
+            raise CacheCapacityError(f"capacity={capacity} must be at least 1.")
+        return cls([
+            LayerKVCache(
+                make_storage(storage, batch, n_kv_heads, capacity, head_dim, dtype, device, storage_dtype),
+                n_heads, query_window, track_attention,
+            )
+            for _ in range(n_layers)
+        ])
 
     def __getitem__(self, i: int) -> LayerKVCache:
         return self.layers[i]
@@ -260,10 +356,63 @@ class KVCache(nn.Module):
         return len(self.layers)
 
     @property
+    def batch(self) -> int:
+        """Sequences (rows) of the cache."""
+        return self.layers[0].batch
+
+    @property
     def capacity(self) -> int:
         """Slots per (sequence, KV head)."""
         return self.layers[0].capacity
 
+    @property
+    def device(self) -> torch.device:
+        """Where the buffers live."""
+        return self.layers[0].pos.device
+
     def nbytes(self) -> int:
-        """Bytes held by keys and values of all layers."""
-        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
+        """Bytes held by keys and values (and scales) of all layers."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def reset_rows(self, rows: Tensor) -> None:
+        """Empties some sequences in every layer (see :meth:`LayerKVCache.reset_rows`)."""
+        for layer in self.layers:
+            layer.reset_rows(rows)
+
+    def rows(self, rows: Tensor) -> CacheRows:
+        """A view that prefills only ``rows`` (a slot pool admitting requests); see :class:`CacheRows`."""
+        return CacheRows(self, rows)
+
+
+class LayerRows:
+    """One layer's cache seen through some of its rows: ``write_prefill`` writes only those.
+
+    Args:
+        layer: The layer cache.
+        rows: ``(b,)`` the rows the prompts go to.
+    """
+
+    def __init__(self, layer: LayerKVCache, rows: Tensor) -> None:
+        self.layer, self.rows = layer, rows
+
+    def write_prefill(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
+        """Writes ``b`` prompts into this view's rows (see :meth:`LayerKVCache.write_prefill`)."""
+        self.layer.write_prefill(k, v, q_pre, positions, valid, rows=self.rows)
+
+
+class CacheRows:
+    """A :class:`KVCache` seen through some rows, for :meth:`~beaconkv.models.CausalLM.prefill` of a sub-batch.
+
+    Args:
+        cache: The whole cache.
+        rows: ``(b,)`` the rows the prompts go to, in prompt order.
+    """
+
+    def __init__(self, cache: KVCache, rows: Tensor) -> None:
+        self.cache, self.rows = cache, rows
+
+    def __getitem__(self, i: int) -> LayerRows:
+        return LayerRows(self.cache[i], self.rows)
+
+    def __len__(self) -> int:
+        return len(self.cache)

@@ -7,25 +7,29 @@ a ragged batch produces the same greedy tokens as running each prompt alone.
 The decode step (:meth:`beaconkv.models.CausalLM.decode_step` + sampling) has static shapes and
 no host synchronisation; the host only reads the device to stop early (every ``sync_every``
 steps) or to stream text. Eviction runs between steps, at steps the policy computes on the host.
-With ``compile=True`` the decode step and the eviction step run as ``torch.compile`` graphs
-(:mod:`beaconkv.compile`; CUDA graphs on CUDA); the prefill stays eager.
+Cache, policy state and execution strategy are set up by :class:`beaconkv.session.Session`; with
+``compile=True`` the decode step and the policy's device work run as ``torch.compile`` graphs
+(:mod:`beaconkv.execution`; CUDA graphs on CUDA); the prefill stays eager.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from .cache import KVCache
-from .compile import CompileConfig, CompiledDecoding, resolve_compile_config
+from .execution import CompileConfig
 from .models.decoder import CausalLM
 from .policies.base import EvictionPolicy, FullKV
+from .policies.registry import make_policy
+from .policies.state import EvictionRecord, PolicyState
 from .sampling import SamplingParams, sample_next
+from .session import Session
+from .storage import KVStorage
 from .tokenizer import Tokenizer
 
 #: ``stream(sequence_index, token_id, text_delta)`` is called for every new token.
@@ -89,7 +93,8 @@ class GenerationOutput:
         finish_reasons: ``"stop"`` (an end-of-sequence id) or ``"length"`` (``max_new_tokens``).
         prompt_ids: The prompt ids that were fed.
         stats: Figures of the run.
-        policy: The policy object (its ``stats`` hold telemetry when enabled).
+        policy: The policy that ran.
+        policy_state: Its state at the end (counters, the kept sets' telemetry...).
     """
 
     token_ids: list[list[int]]
@@ -98,6 +103,12 @@ class GenerationOutput:
     prompt_ids: list[list[int]]
     stats: GenerationStats
     policy: EvictionPolicy = field(repr=False, default=None)  # type: ignore[assignment]
+    policy_state: PolicyState | None = field(repr=False, default=None)
+
+    @property
+    def telemetry(self) -> list[EvictionRecord]:
+        """Every eviction's kept positions, layer by layer (policies built with ``telemetry=True``)."""
+        return [] if self.policy_state is None else self.policy_state.stats.telemetry
 
 
 def _encode_prompts(tokenizer: Tokenizer | None, prompts: Sequence, chat: bool) -> list[list[int]]:
@@ -130,7 +141,7 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int | None = None,
-    policy: EvictionPolicy | None = None,
+    policy: EvictionPolicy | str | None = None,
     stream: StreamCallback | None = None,
     chat: bool = False,
     eos_token_ids: Sequence[int] | None = None,
@@ -138,6 +149,9 @@ def generate(
     cache_dtype: torch.dtype | None = None,
     compile: bool | CompileConfig = False,
     capacity_tokens: int | None = None,
+    kv_storage: str | type[KVStorage] = "dense",
+    policy_args: Mapping[str, Any] | None = None,
+    on_step: Callable[[int, Session], None] | None = None,
 ) -> GenerationOutput:
     """Generates continuations for a batch of prompts.
 
@@ -150,22 +164,30 @@ def generate(
         top_p: Nucleus sampling mass.
         top_k: Keep only the k most likely tokens (0 = off).
         seed: Seeds the sampling generator (reproducible sampling).
-        policy: KV-cache eviction policy; None keeps everything (:class:`~beaconkv.policies.FullKV`).
-            A policy object holds per-generation state: use one per concurrent call.
+        policy: KV-cache eviction policy, or its registry name (``"beacon"``; settings in
+            ``policy_args``); None keeps everything (:class:`~beaconkv.policies.FullKV`). A policy
+            object holds settings only: one may serve any number of calls.
         stream: Called as ``stream(i, token_id, text_delta)`` for each new token of sequence ``i``.
         chat: Wrap text prompts in the tokenizer's chat template as a single user turn.
         eos_token_ids: Stop ids (default: the tokenizer's).
         sync_every: Decode steps between checks whether every sequence has stopped.
-        cache_dtype: KV-cache dtype (default: the model's).
+        cache_dtype: Dtype the KV cache stores keys and values in (default: the model's); attention
+            casts them to the model's dtype.
         compile: Run the decode step (all layers, cache write, attention, sampling) and full-batch
             evictions as ``torch.compile(fullgraph=True)`` graphs — CUDA graphs on CUDA, inductor on
-            CPU; a :class:`~beaconkv.compile.CompileConfig` tunes it. The first call compiles (a
+            CPU; a :class:`~beaconkv.execution.CompileConfig` tunes it. The first call compiles (a
             minute or two for a 30-layer model on a CPU); later calls reuse the graphs (a new cache
             capacity or batch recompiles once, then shapes stay symbolic). Greedy tokens are the
             same as eager.
         capacity_tokens: New tokens the cache is sized for (default ``max_new_tokens``): a larger value
             allocates the cache a longer generation needs while decoding only ``max_new_tokens``
             (benchmarks measure a long generation's memory and step time this way).
+        kv_storage: How the cache holds keys and values: ``"dense"`` (default) or ``"int8"`` (per-token,
+            per-KV-head scales; see :mod:`beaconkv.storage`), or a :class:`~beaconkv.storage.KVStorage` class.
+        policy_args: Settings of a policy given by name (``{"budget": 128, "n_beacon": 8}``).
+        on_step: Called as ``on_step(step, session)`` after every decode step, once the policy's work
+            (evictions included) is done — a public hook for measurement (see
+            :class:`beaconkv.measure.speed.timing.StepRecorder`).
 
     Returns:
         The new tokens, texts, finish reasons and stats.
@@ -177,10 +199,10 @@ def generate(
             or failed (there is no silent fallback to eager).
     """
     t_start = time.perf_counter()
-    compile_config = resolve_compile_config(compile)
     params = SamplingParams(temperature, top_p, top_k)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
+    policy = resolve_policy(policy, policy_args)
     ids = _encode_prompts(tokenizer, prompts, chat)
     lengths = [len(p) for p in ids]
     cfg = model.config
@@ -196,37 +218,21 @@ def generate(
         warnings.warn(f"max_new_tokens={max_new_tokens} capped to {room} by max_position_embeddings.")
         max_new_tokens = room
     stop = list(eos_token_ids if eos_token_ids is not None else (tokenizer.eos_token_ids if tokenizer else []))
-    policy = policy if policy is not None else FullKV()
-    device = model.lm_head.weight.device
-    B = len(ids)
     if capacity_tokens is not None and capacity_tokens < max_new_tokens:
         raise ValueError(f"capacity_tokens={capacity_tokens} must be >= max_new_tokens={max_new_tokens}.")
-    capacity = policy.capacity(lengths, capacity_tokens or max_new_tokens)
-    cache = KVCache.allocate(
-        cfg.num_hidden_layers, B, cfg.num_key_value_heads, cfg.num_attention_heads, capacity, cfg.head_dim,
-        dtype=cache_dtype or model.lm_head.weight.dtype, device=device,
-        query_window=policy.query_window, track_attention=policy.track_attention,
-    )
-    policy.start(cache, model.rope, lengths)
+    session = Session.for_prompts(model, policy, lengths, capacity_tokens or max_new_tokens, kv_storage=kv_storage,
+                                  cache_dtype=cache_dtype, compile=compile)
+    device = session.device
+    B = len(ids)
     pad = stop[0] if stop else 0
-    L = max(lengths)
-    input_ids = torch.full((B, L), pad, dtype=torch.long)
-    for b, p in enumerate(ids):
-        input_ids[b, : len(p)] = torch.tensor(p)
-    input_ids = input_ids.to(device)
-    valid = torch.arange(L, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
     stop_t = torch.tensor(stop or [-1], device=device)
-    runner = CompiledDecoding(compile_config, model, cache, policy, params) if compile_config else None
 
-    with torch.inference_mode(), _closing(runner):
-        logits = model.prefill(input_ids, valid, cache)
-        t_policy = time.perf_counter()
-        policy.after_prefill()
-        policy_s = time.perf_counter() - t_policy
+    with torch.inference_mode():
+        logits = session.prefill(ids)
         tokens = sample_next(logits, params, generator)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # so that prefill_s is the prefill's time, not its launch
@@ -234,7 +240,6 @@ def generate(
         out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         n_new = torch.zeros(B, dtype=torch.long, device=device)
-        positions = torch.tensor(lengths, device=device)
         streamer = _Streamer(tokenizer, stream, B) if stream else None
         steps = 0
         for step in range(max_new_tokens):
@@ -247,17 +252,10 @@ def generate(
                 break
             if (step + 1) % sync_every == 0 and bool(finished.all()):
                 break
-            if runner is not None:  # decode + sample in one graph; the policy then acts between steps
-                tokens = runner.step(tokens, positions, generator)
-            else:
-                logits = model.decode_step(tokens, positions, cache)
-            t_policy = time.perf_counter()
-            policy.after_decode_step()
-            policy_s += time.perf_counter() - t_policy
-            if runner is None:
-                tokens = sample_next(logits, params, generator)
+            tokens = session.step(tokens, params, generator)
+            if on_step is not None:
+                on_step(steps, session)
             steps += 1
-            positions += 1
         finished_l = finished.tolist()
         counts = n_new.tolist()
         out_l = out.tolist()
@@ -265,24 +263,33 @@ def generate(
     reasons = ["stop" if f else "length" for f in finished_l]
     texts = [tokenizer.decode(t) for t in token_ids] if tokenizer is not None else [""] * B
     wall = time.perf_counter() - t_start
+    st = session.state
     stats = GenerationStats(
-        prompt_tokens=lengths, new_tokens=[len(t) for t in token_ids], cache_capacity=capacity,
-        cache_bytes=cache.nbytes(), evictions=list(policy.stats.evictions), peak_cache_tokens=policy.peak_tokens,
-        prefill_s=prefill_s, wall_time_s=wall, decode_steps=steps, eviction_s=policy.stats.eviction_seconds,
-        policy_s=policy_s, compiled=runner is not None,
-        compiled_evictions=runner.compiled_evictions if runner is not None else 0,
+        prompt_tokens=lengths, new_tokens=[len(t) for t in token_ids], cache_capacity=session.cache.capacity,
+        cache_bytes=session.cache.nbytes(), evictions=list(st.stats.evictions), peak_cache_tokens=st.peak_tokens,
+        prefill_s=prefill_s, wall_time_s=wall, decode_steps=steps, eviction_s=st.stats.eviction_seconds,
+        policy_s=session.policy_s, compiled=session.compiled,
+        compiled_evictions=st.stats.eviction_calls if st.executor.compiled else 0,
     )
-    return GenerationOutput(token_ids, texts, reasons, ids, stats, policy)
+    return GenerationOutput(token_ids, texts, reasons, ids, stats, session.policy, st)
 
 
-@contextmanager
-def _closing(runner: CompiledDecoding | None) -> Iterator[None]:
-    """Restores the policy's own methods when a compiled generation ends (or fails)."""
-    try:
-        yield
-    finally:
-        if runner is not None:
-            runner.close()
+def resolve_policy(policy: EvictionPolicy | str | None, policy_args: Mapping[str, Any] | None = None) -> EvictionPolicy:
+    """A policy object from ``generate``'s ``policy`` argument: an object, a registry name, or None (FullKV).
+
+    Raises:
+        beaconkv.policies.PolicyConfigError: Unknown name or settings.
+        TypeError: ``policy`` is none of these, or ``policy_args`` come with a policy object.
+    """
+    if isinstance(policy, str):
+        return make_policy(policy, **dict(policy_args or {}))
+    if policy_args:
+        raise TypeError("policy_args go with a policy name (policy='beacon'); a policy object carries its settings.")
+    if policy is None:
+        return FullKV()
+    if not isinstance(policy, EvictionPolicy):
+        raise TypeError(f"policy={policy!r} must be an EvictionPolicy, a registry name or None.")
+    return policy
 
 
 class _Streamer:

@@ -8,20 +8,18 @@ autograd with ``fullgraph=True``, which catches every graph break and host sync 
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
 import pytest
 import torch
 
 import beaconkv
-from beaconkv.compile import (
-    CPU_GEMV_LIMITS,
-    CompileConfig,
-    CompileError,
-    evict_layer,
-    lift_cpu_gemv_limit,
-    resolve_compile_config,
-    select_keep_static,
-)
-from beaconkv.policies import BeaconKV, SnapKV, make_policy, select_keep
+from beaconkv.execution import CPU_GEMV_LIMITS, CompileConfig, CompileError, lift_cpu_gemv_limit
+from beaconkv.execution.compiled import resolve_compile_config
+from beaconkv.policies import BeaconKV, EvictionPolicy, PolicyState, SnapKV, make_policy, select_keep
+from beaconkv.policies.beacon import _select_queries
 
 TRACE = CompileConfig(backend="aot_eager")
 BUDGET = 128  # the smallest budget with n_recent = 16: an eviction every 16 steps
@@ -46,45 +44,95 @@ def _prompts(lengths=(5, 12), seed=0):
     return [torch.randint(3, 97, (n,), generator=g).tolist() for n in lengths]
 
 
-def _both(model, policy_factory, compile_config, **kw):
+def _both(model, policy, compile_config, **kw):
     kw = dict(max_new_tokens=kw.pop("max_new_tokens", BUDGET + 20), eos_token_ids=[], **kw)
-    eager = beaconkv.generate(model, None, _prompts(), policy=policy_factory(), **kw)
-    compiled = beaconkv.generate(model, None, _prompts(), policy=policy_factory(), compile=compile_config, **kw)
+    eager = beaconkv.generate(model, None, _prompts(), policy=policy, **kw)
+    compiled = beaconkv.generate(model, None, _prompts(), policy=policy, compile=compile_config, **kw)
     return eager, compiled
+
+
+def _kept(out):
+    return [(r.step, r.layer, r.rows, r.kept_positions.tolist()) for r in out.telemetry]
 
 
 @pytest.mark.parametrize("name", ["full", "beacon"])
 def test_inductor_greedy_tokens_equal_eager(llama, name):
-    factory = (lambda: None) if name == "full" else (lambda: BeaconKV(BUDGET))
-    # maintenance stays eager here to keep the test to two inductor graphs; it is traced below
-    eager, compiled = _both(llama, factory, CompileConfig(maintenance=False))
+    policy = None if name == "full" else BeaconKV(BUDGET, telemetry=True)
+    eager, compiled = _both(llama, policy, CompileConfig())
     assert compiled.token_ids == eager.token_ids
     assert compiled.stats.compiled
     if name == "beacon":
         assert eager.stats.evictions == compiled.stats.evictions == [2, 2]
-        assert compiled.stats.compiled_evictions == 2
+        assert compiled.stats.compiled_evictions == 2 and _kept(compiled) == _kept(eager)
+
+
+@dataclass(eq=False)
+class DecayState(PolicyState):
+    """The test policy's own state: per row, how many decode steps it has observed (a device tensor)."""
+
+    observed: torch.Tensor | None = None
+
+
+@dataclass
+class DecayedAttention(EvictionPolicy):
+    """A user's policy with state of its own, defined here: an exponentially decayed running sum of the
+    attention each slot received (per-layer slot buffers), normalised by the steps observed (a per-row
+    tensor of its own state class). Nothing about compilation is written for it."""
+
+    decay: float = 0.8
+
+    name: ClassVar[str] = "decayed_attention"
+    track_attention: ClassVar[bool] = True
+    state_class: ClassVar[type[PolicyState]] = DecayState
+
+    def init_state(self, state):
+        state.layers = [layer.register_slot_buffer("decayed") for layer in state.cache.layers]
+        state.observed = torch.zeros(state.batch, device=state.device)
+
+    def observe_attention(self, state, running, weights):
+        running.mul_(self.decay).add_(weights.sum(2))
+        if running is state.layers[0]:
+            state.observed.add_(1)
+
+    def score(self, state, running, cache, rows, t):
+        return running[rows] / state.observed[rows].clamp(min=1)[:, None, None]
+
+
+@pytest.mark.parametrize("config", [CompileConfig(), TRACE], ids=["inductor", "aot_eager"])
+def test_a_user_policy_with_its_own_state_compiles_with_no_extra_code(llama, config):
+    policy = DecayedAttention(BUDGET, telemetry=True)
+    eager, compiled = _both(llama, policy, config)
+    assert compiled.token_ids == eager.token_ids
+    assert eager.stats.evictions == compiled.stats.evictions == [2, 2]
+    assert compiled.stats.compiled_evictions == 2 and _kept(compiled) == _kept(eager)
+    torch.testing.assert_close(compiled.policy_state.observed, eager.policy_state.observed)
 
 
 @pytest.mark.parametrize("name", ["beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming"])
 def test_every_policy_traces_fullgraph_with_the_same_tokens(llama, name):
-    eager, compiled = _both(llama, lambda: make_policy(name, budget=BUDGET), TRACE)
+    eager, compiled = _both(llama, make_policy(name, budget=BUDGET, telemetry=True), TRACE)
     assert compiled.token_ids == eager.token_ids
     assert compiled.stats.evictions == eager.stats.evictions and sum(eager.stats.evictions) > 0
     assert compiled.stats.compiled_evictions == eager.stats.evictions[0]  # every eviction took the graph
+    assert _kept(compiled) == _kept(eager)
 
 
 def test_seeded_sampling_is_the_same_compiled(llama):
     kw = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 3, "max_new_tokens": 24}
-    eager, compiled = _both(llama, lambda: None, TRACE, **kw)
+    eager, compiled = _both(llama, None, TRACE, **kw)
     assert compiled.token_ids == eager.token_ids
 
 
-def test_ragged_schedules_fall_back_to_eager_evictions(llama):
-    # an int n_prefix with prompts of different lengths: the rows reach the budget at different steps
-    eager, compiled = _both(llama, lambda: BeaconKV(BUDGET, n_prefix=2), TRACE)
+def test_ragged_schedules_compile_too(llama):
+    # an int n_prefix with prompts of different lengths: the rows reach the budget at different steps,
+    # so evictions cover one row at a time — the same graph, with the rows as an argument
+    policy = BeaconKV(BUDGET, n_prefix=2, telemetry=True)
+    eager, compiled = _both(llama, policy, TRACE)
     assert compiled.token_ids == eager.token_ids
     assert compiled.stats.evictions == eager.stats.evictions
-    assert compiled.stats.compiled_evictions == 0
+    assert {len(r.rows) for r in compiled.telemetry} == {1}  # ragged indeed
+    assert compiled.stats.compiled_evictions == sum(compiled.stats.evictions) > 0
+    assert _kept(compiled) == _kept(eager)
 
 
 def test_one_eviction_graph_serves_every_layer(llama):
@@ -94,24 +142,24 @@ def test_one_eviction_graph_serves_every_layer(llama):
     class FreshBeaconKV(BeaconKV):  # a new type: no graph compiled for it yet
         pass
 
-    before = len(_debug_get_cache_entry_list(evict_layer.__code__))
+    code = EvictionPolicy.evict_layer.__code__
+    before = len(_debug_get_cache_entry_list(code))
     out = beaconkv.generate(llama, None, _prompts(), max_new_tokens=BUDGET + 20, eos_token_ids=[],
                             policy=FreshBeaconKV(BUDGET), compile=TRACE)
     assert out.stats.compiled_evictions == 2 and llama.config.num_hidden_layers == 2
-    assert len(_debug_get_cache_entry_list(evict_layer.__code__)) == before + 1
+    assert len(_debug_get_cache_entry_list(code)) == before + 1
 
 
-def test_policy_methods_are_restored(llama):
+def test_nothing_is_patched_onto_the_policy(llama):
     policy = BeaconKV(BUDGET)
     beaconkv.generate(llama, None, _prompts(), max_new_tokens=40, eos_token_ids=[], policy=policy, compile=TRACE)
-    assert not {"evict", "evict_layers", "select_queries"} & set(vars(policy))
+    assert set(vars(policy)) == {f.name for f in dataclasses.fields(BeaconKV)}
 
 
 def test_beacon_maintenance_sampler_call_is_one_graph_for_all_layers(llama):
     """Compression, freeze and roll sample every layer in one compiled call; an override stays the user's."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from beaconkv.compile import select_queries
     from beaconkv.policies.samplers import ContinualFPS
 
     class FreshFPS(ContinualFPS):  # a new type: its graph is compiled fresh
@@ -124,27 +172,27 @@ def test_beacon_maintenance_sampler_call_is_one_graph_for_all_layers(llama):
             calls.append(queries.q.shape[0])
             return super().select_queries(queries, k)
 
-    before = len(_debug_get_cache_entry_list(select_queries.__code__))
-    eager, compiled = _both(llama, lambda: BeaconKV(BUDGET, sampler=FreshFPS()), TRACE)
+    before = len(_debug_get_cache_entry_list(_select_queries.__code__))
+    eager, compiled = _both(llama, BeaconKV(BUDGET, sampler=FreshFPS()), TRACE)
     assert compiled.token_ids == eager.token_ids
-    assert len(_debug_get_cache_entry_list(select_queries.__code__)) > before
+    assert len(_debug_get_cache_entry_list(_select_queries.__code__)) > before
     beaconkv.generate(llama, None, _prompts(), max_new_tokens=BUDGET + 20, eos_token_ids=[], policy=Counting(BUDGET),
                       compile=TRACE)
-    # the user's override ran (not replaced), once per maintenance step with every layer stacked
+    # the user's override ran (traced into the graph), once per maintenance step with every layer stacked
     assert calls and set(calls) == {llama.config.num_hidden_layers}
 
 
 class _HostSyncPolicy(SnapKV):
     """A policy whose score reads the device: it cannot be one graph."""
 
-    def score(self, layer, cache, rows, t):
+    def score(self, state, layer_state, cache, rows, t):
         if int(cache.length.max()) < 0:  # a host sync
             raise AssertionError
-        return super().score(layer, cache, rows, t)
+        return super().score(state, layer_state, cache, rows, t)
 
 
 def test_a_graph_break_raises_a_clear_error(llama):
-    with pytest.raises(CompileError, match="(?s)eviction step of _HostSyncPolicy.*compile=False"):
+    with pytest.raises(CompileError, match="(?s)evict_layer of _HostSyncPolicy.*compile=False"):
         beaconkv.generate(llama, None, _prompts(), max_new_tokens=BUDGET + 8, eos_token_ids=[],
                           policy=_HostSyncPolicy(BUDGET), compile=CompileConfig(backend="eager"))
 
@@ -172,7 +220,13 @@ def test_compile_argument_and_options():
     assert not CompileConfig(mode="default").cuda_graphs(cuda) and not CompileConfig().cuda_graphs(cpu)
 
 
-def test_select_keep_static_equals_select_keep():
+def test_policy_false_compiles_the_decode_step_only(llama):
+    eager, compiled = _both(llama, BeaconKV(BUDGET), CompileConfig(backend="aot_eager", policy=False))
+    assert compiled.token_ids == eager.token_ids and compiled.stats.compiled
+    assert compiled.stats.compiled_evictions == 0 and compiled.stats.evictions == [2, 2]
+
+
+def test_select_keep_with_a_host_known_keep_count_equals_the_device_read():
     g = torch.Generator().manual_seed(0)
     b, h, C = 3, 2, 40
     pos = torch.arange(C).repeat(b, h, 1)
@@ -181,7 +235,7 @@ def test_select_keep_static_equals_select_keep():
     n_prefix, t = torch.tensor([4, 6, 0]), torch.tensor([29, 39, 39])
     keep_total = torch.tensor([20, 24, 24])
     ref = select_keep(scores, pos, n_prefix, t, 8, keep_total)
-    got = select_keep_static(scores, pos, n_prefix, t, 8, keep_total, 24)
+    got = select_keep(scores, pos, n_prefix, t, 8, keep_total, keep_max=24)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
@@ -189,9 +243,34 @@ def test_select_keep_static_equals_select_keep():
 @pytest.mark.parametrize("name", ["full", "beacon"])
 def test_cuda_graphs_greedy_tokens_equal_eager(tiny_models, name):
     model = beaconkv.load_model(tiny_models["llama"][0], device="cuda")
-    factory = (lambda: None) if name == "full" else (lambda: BeaconKV(BUDGET))
-    eager, compiled = _both(model, factory, True)
+    policy = None if name == "full" else BeaconKV(BUDGET, telemetry=True)
+    eager, compiled = _both(model, policy, True)
     assert compiled.token_ids == eager.token_ids
+    assert _kept(compiled) == _kept(eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (stream synchronisation)")
+@pytest.mark.parametrize("name", ["beacon", "snapkv", "h2o", "rpc"])
+def test_decode_and_eviction_loop_never_synchronises(tiny_models, name):
+    """The decode step and every eviction (rows, counts, positions) run without a host<->device sync."""
+    from beaconkv.sampling import SamplingParams
+    from beaconkv.session import Session
+
+    model = beaconkv.load_model(tiny_models["llama"][0], device="cuda")
+    prompts = _prompts((9, 9))  # equal prompts: every row evicts at the same steps
+    policy = make_policy(name, budget=BUDGET)
+    for kv_storage in ("dense", "int8"):
+        session = Session.for_prompts(model, policy, [9, 9], BUDGET + 40, kv_storage=kv_storage)
+        tokens = session.prefill(prompts).argmax(-1)
+        params = SamplingParams()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(BUDGET + 40):
+                tokens = session.step(tokens, params)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert session.state.stats.evictions == [3, 3]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,6 +1,13 @@
 """Every policy keeps producing the greedy tokens and kept positions recorded before the core refactor.
 
 See :mod:`tests.golden` for the runs; the fixture was recorded with the pre-refactor code.
+
+One behaviour changed on purpose in the same change: FPS now breaks ties between exact duplicate
+points on the lowest index (SPEC §3) with a tolerance of a rounding step (``TIE_RTOL``), where the old
+code took the exact minimum of GEMM-rounded scores (a later duplicate could win). BeaconKV therefore
+runs here with ``ContinualFPS(tie_rtol=0)`` — the old rule — so that the refactor itself is checked
+bit for bit; :func:`test_the_tie_rule_changes_only_rows_with_duplicate_candidates` checks the
+default rule's difference.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ import pytest
 import torch
 
 import beaconkv
-from beaconkv.policies import make_policy
+from beaconkv.policies import ContinualFPS, make_policy
 
 from .golden import CASES, FIXTURE, NEW_TOKENS, POLICIES, PROMPTS, digest
 
@@ -34,10 +41,31 @@ def test_tokens_and_kept_positions_equal_the_recorded_run(embedded, case, name):
     model, tok = embedded
     want = GOLDEN[f"{case}/{name}"]
     kwargs = {} if name == "full" else {"budget": 32, "n_recent": 4, **CASES[case]}
+    if name in ("beacon", "initial_recent"):
+        kwargs["sampler"] = ContinualFPS(tie_rtol=0.0)  # the pre-refactor tie rule (see the module docstring)
     policy = make_policy(name, telemetry=True, **kwargs)
     out = beaconkv.generate(model, tok, PROMPTS, chat=True, max_new_tokens=NEW_TOKENS, eos_token_ids=[], policy=policy)
-    records = [(r.step, r.layer, list(r.rows), r.kept_positions.tolist()) for r in policy.stats.telemetry]
+    records = [(r.step, r.layer, list(r.rows), r.kept_positions.tolist()) for r in out.telemetry]
     assert out.token_ids == want["tokens"]
     assert out.stats.evictions == want["evictions"]
     assert [list(r) for r in records if r[1] == 0] == want["layer0_kept"]
     assert digest(records) == want["kept_digest"]
+
+
+def test_the_tie_rule_changes_only_rows_with_duplicate_candidates(embedded):
+    """With the default FPS tie rule every run keeps its tokens; BeaconKV's kept sets move only in the
+    ragged run, where the roll's candidates (beacons ∪ recent) hold exact duplicates of the last prompt
+    queries (3 of its 930 layer-evictions, found when the rule was introduced)."""
+    model, tok = embedded
+    for case, extra in CASES.items():
+        policy = make_policy("beacon", telemetry=True, budget=32, n_recent=4, **extra)
+        out = beaconkv.generate(model, tok, PROMPTS, chat=True, max_new_tokens=NEW_TOKENS, eos_token_ids=[],
+                                policy=policy)
+        want = GOLDEN[f"{case}/beacon"]
+        assert out.token_ids == want["tokens"] and out.stats.evictions == want["evictions"]
+        if case == "prompt_prefix":
+            records = [(r.step, r.layer, list(r.rows), r.kept_positions.tolist()) for r in out.telemetry]
+            assert digest(records) == want["kept_digest"]
+        else:
+            layer0 = [[r.step, r.layer, list(r.rows), r.kept_positions.tolist()] for r in out.telemetry if r.layer == 0]
+            assert layer0 == want["layer0_kept"]

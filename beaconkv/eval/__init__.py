@@ -40,7 +40,12 @@ from beaconkv.eval.grading import (
 from beaconkv.eval.prompts import BuiltPrompt, build_prompt, render_chat
 from beaconkv.eval.runner import EvalConfig, EvalReport, GenerationBackend, run_eval
 from beaconkv.eval.sandbox import SandboxLimits, SandboxResult, run_python
-from beaconkv.eval.summary import SummaryRow, format_summary_table, summarize, write_summary
+from beaconkv.eval.summary import (
+    SummaryRow,
+    format_summary_table,
+    summarize,
+    write_summary,
+)
 
 __all__ = [
     "BENCHMARKS",

@@ -35,18 +35,15 @@ import torch
 from torch import Tensor
 
 from ..models.decoder import CausalLM
-from .fidelity import (
-    FidelityError,
-    GlobalQueryRule,
-    LockStep,
-    PolicySpec,
-    Trace,
-    add_trace_arguments,
-    auto_n_recent,
-    forced_tokens,
-    held_attention_mass,
-    load_model_and_traces,
-)
+from ..policies.base import EvictionPolicy
+from ..policies.registry import make_policy, policy_parameters
+from ..policies.state import PolicyState
+from .fidelity.cli import add_trace_arguments, load_model_and_traces
+from .fidelity.errors import FidelityError
+from .fidelity.lockstep import LockStep
+from .fidelity.metrics import GlobalQueryRule, held_attention_mass
+from .fidelity.study import auto_n_recent
+from .fidelity.traces import Trace, forced_tokens
 
 
 @dataclass
@@ -103,16 +100,14 @@ def distance_bin(distance: Tensor) -> Tensor:
     return torch.where(d > 0, torch.floor(torch.log2(d.clamp(min=1))).long() + 1, 0)
 
 
-def _held_queries(policy) -> tuple[list[Tensor], list[Tensor], bool] | None:
-    """The pre-RoPE queries a BeaconKV-like policy would score a global query with now: per layer
-    ``(q (H, n, D), pos (H, n))`` of sequence 0 — the frozen beacons, else the observation set."""
-    if not hasattr(policy, "beacons") or not hasattr(policy, "obs"):
+def _held_queries(state: PolicyState) -> tuple[Tensor, Tensor, bool] | None:
+    """The pre-RoPE queries a BeaconKV-like policy would score a global query with now, for sequence 0:
+    ``(q (L, H, n, D), pos (L, H, n), frozen)`` — the frozen beacons, else the observation set."""
+    if getattr(state, "beacons", None) is None or getattr(state, "obs", None) is None:
         return None
-    frozen = policy.phase[0] in ("frozen", "static")
-    sets = policy.beacons if frozen else policy.obs
-    qs = [s.q[0] for s in sets]
-    pos = [torch.where(s.valid[0], s.pos[0], -1) for s in sets]
-    return qs, pos, frozen
+    frozen = state.phase[0] in ("frozen", "static")
+    sets = state.beacons if frozen else state.obs  # stacked over layers
+    return sets.q[:, 0], torch.where(sets.valid[:, 0], sets.pos[:, 0], -1), frozen
 
 
 def analyze_trace(
@@ -120,7 +115,7 @@ def analyze_trace(
     trace: Trace,
     n_tokens: int,
     rule: GlobalQueryRule | None = None,
-    policy: PolicySpec | None = None,
+    policy: EvictionPolicy | None = None,
     progress: bool = True,
 ) -> TraceAnalysis:
     """Teacher-forces one trace with FullKV and one policy in lock-step and records every query.
@@ -139,11 +134,11 @@ def analyze_trace(
     from tqdm.auto import tqdm
 
     rule = rule or GlobalQueryRule()
-    spec = policy or PolicySpec("beacon", 128, (("n_beacon", 16), ("n_recent", 16)))
+    pol = policy or make_policy("beacon", 128, n_beacon=16, n_recent=16)
     tokens = forced_tokens([trace], n_tokens)
-    pol = spec.build()
     P = len(trace.prompt_ids) + n_tokens
     run = LockStep(model, [pol], [trace.prompt_ids], n_tokens, reference_query_window=P)
+    state = run.sessions[1].state
     cfg = model.config
     Lyr, H = cfg.num_hidden_layers, cfg.num_attention_heads
     n_bins = int(math.log2(P)) + 2
@@ -156,12 +151,12 @@ def analyze_trace(
     held_pos: list[Tensor] = []
     frozen = torch.zeros(n_tokens, dtype=torch.bool)
     top_keys: dict[tuple[int, int, int], list[int]] = {}
-    ref = run.reference_cache
+    ref = run.reference.cache
     run.prefill()
     for s in tqdm(range(n_tokens), desc=f"analyze {trace.name}", unit="tok", disable=not progress):
-        held = _held_queries(pol)
+        held = _held_queries(state)
         if held is not None:
-            hq, hp, frozen[s] = torch.stack(held[0]).clone(), torch.stack(held[1]).clone(), held[2]  # (L, H, n, D)
+            hq, hp, frozen[s] = held[0].clone(), held[1].clone(), held[2]  # (L, H, n, D), (L, H, n)
             held_pos.append(hp)
         out = run.step(tokens[:, s])
         w, kp = out.weights[:, 0], out.key_pos[:, 0]  # (L, kv, G, C), (L, kv, C)
@@ -467,34 +462,30 @@ def run_analyze(args: argparse.Namespace) -> int:
     """Runs ``beaconkv analyze`` from parsed arguments; writes PNGs, a CSV and ``summary.txt``.
 
     Returns:
-        The exit status (0 on success, 2 on bad settings).
+        0 on success.
+
+    Raises:
+        FidelityError: Bad settings (policy and ranges checked before the model loads where possible).
     """
     t0 = time.perf_counter()
-    try:
-        rule = GlobalQueryRule(args.top_k, args.global_threshold)
-        if not 0 < args.low_sim_quantile <= 1:
-            raise FidelityError(f"--low-sim-quantile={args.low_sim_quantile} must lie in (0, 1].")
-        n_recent = args.n_recent if args.n_recent is not None else auto_n_recent(args.budget)
-        kw = {"n_recent": n_recent}
-        from ..policies.registry import policy_class
-
-        if policy_class(args.policy).__name__ in ("BeaconKV", "InitialRecent"):
-            kw["n_beacon"] = args.n_beacon if args.n_beacon is not None else n_recent
-        spec = PolicySpec(args.policy, args.budget, tuple(sorted(kw.items())))
-        spec.build()
-        model, _, traces = load_model_and_traces(args)
-        trace = traces[0]
-        forced_tokens([trace], args.tokens)
-        window = parse_window(args.window, args.tokens)
-        cfg = model.config
-        limits = (("--layer", args.layer, cfg.num_hidden_layers), ("--head", args.head, cfg.num_attention_heads))
-        for name, val, hi in limits:
-            if val is not None and not 0 <= val < hi:
-                raise FidelityError(f"{name}={val} is out of range; the model has {hi} (0 .. {hi - 1}).")
-    except (FidelityError, ValueError) as err:
-        print(f"beaconkv analyze: {err}", file=sys.stderr)
-        return 2
-    a = analyze_trace(model, trace, args.tokens, rule, spec, progress=not args.no_progress)
+    rule = GlobalQueryRule(args.top_k, args.global_threshold)
+    if not 0 < args.low_sim_quantile <= 1:
+        raise FidelityError(f"--low-sim-quantile={args.low_sim_quantile} must lie in (0, 1].")
+    n_recent = args.n_recent if args.n_recent is not None else auto_n_recent(args.budget)
+    kw = {"n_recent": n_recent}
+    if "n_beacon" in policy_parameters(args.policy):
+        kw["n_beacon"] = args.n_beacon if args.n_beacon is not None else n_recent
+    policy = make_policy(args.policy, args.budget, **kw)
+    window = parse_window(args.window, args.tokens)
+    model, _, traces = load_model_and_traces(args)
+    trace = traces[0]
+    forced_tokens([trace], args.tokens)
+    cfg = model.config
+    limits = (("--layer", args.layer, cfg.num_hidden_layers), ("--head", args.head, cfg.num_attention_heads))
+    for name, val, hi in limits:
+        if val is not None and not 0 <= val < hi:
+            raise FidelityError(f"{name}={val} is out of range; the model has {hi} (0 .. {hi - 1}).")
+    a = analyze_trace(model, trace, args.tokens, rule, policy, progress=not args.no_progress)
     layer, head = mixed_head(a, window)
     layer = args.layer if args.layer is not None else layer
     head = args.head if args.head is not None else head
@@ -515,11 +506,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m beaconkv.measure.analysis``: the same as ``beaconkv analyze``."""
-    parser = add_analyze_arguments(argparse.ArgumentParser(prog="beaconkv analyze"))
-    return run_analyze(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..command import module_main
+
+    sys.exit(module_main("analyze", add_analyze_arguments, run_analyze))

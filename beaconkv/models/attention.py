@@ -4,12 +4,17 @@ Three call modes share one module:
 
 * plain causal forward (no cache) for full-sequence logits;
 * prefill: the same attention over the prompt, then the keys (post-RoPE), values and pre-RoPE
-  queries are written to the layer's :class:`~beaconkv.cache.LayerKVCache`;
-* decode: one token per sequence, written into the cache in place, attending over every filled
-  slot (validity mask), with static shapes.
+  queries are written to the layer's cache (:meth:`~beaconkv.cache.LayerKVCache.write_prefill`);
+* decode: one token per sequence, appended to the cache in place
+  (:meth:`~beaconkv.cache.LayerKVCache.append`), then attention over every filled slot
+  (:meth:`~beaconkv.cache.LayerKVCache.attend`), with static shapes.
+
+That is the whole attention ↔ cache contract: a replacement attention that makes the same three
+calls keeps every eviction policy and every storage (dense, int8) working.
 
 Qwen3 applies ``q_norm``/``k_norm`` per head *before* RoPE; the pre-RoPE query handed to the
-cache is taken after ``q_norm``, so eviction policies see what the model rotates.
+cache is taken after ``q_norm``, so eviction policies see what the model rotates. The rotary
+tables (``cos``, ``sin``) come from the decoder, computed once per forward for all layers.
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ import math
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor, nn
 
 from ..cache import LayerKVCache
 from .rope import RotaryEmbedding
+
+#: ``(cos, sin)``, each ``(batch, seq, head_dim)`` float32: the rotary tables of one forward.
+Rotary = tuple[Tensor, Tensor]
 
 
 class Attention(nn.Module):
@@ -32,12 +41,15 @@ class Attention(nn.Module):
         k_proj: ``hidden -> kv_heads * head_dim`` projection.
         v_proj: ``hidden -> kv_heads * head_dim`` projection.
         o_proj: ``heads * head_dim -> hidden`` projection.
-        rope: The rotary module (shared with eviction policies).
+        rope: The rotary module; its ``apply(x, cos, sin)`` rotates queries and keys.
         n_heads: Query heads.
         n_kv_heads: Key/value heads; divides ``n_heads``.
         head_dim: Width of a head.
         q_norm: Optional per-head norm of queries before RoPE (Qwen3).
         k_norm: Optional per-head norm of keys before RoPE (Qwen3).
+
+    Attributes:
+        scale: Logit scale, ``1 / sqrt(head_dim)``; a subclass may change it.
     """
 
     def __init__(
@@ -62,24 +74,26 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = 1.0 / math.sqrt(head_dim)
 
-    def _project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Returns ``(q_pre, q, k, v)``, heads first: ``(batch, heads, seq, head_dim)``."""
-        B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+    def project(self, x: Tensor, rotary: Rotary) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Projects ``x`` and rotates: ``(q_pre, q, k, v)``, heads first, ``(batch, heads, seq, head_dim)``.
+
+        ``q_pre`` is the query after ``q_norm`` and before RoPE; ``q`` and ``k`` are rotated.
+        """
+        q = rearrange(self.q_proj(x), "b l (h d) -> b h l d", d=self.head_dim)
+        k = rearrange(self.k_proj(x), "b l (h d) -> b h l d", d=self.head_dim)
+        v = rearrange(self.v_proj(x), "b l (h d) -> b h l d", d=self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        cos, sin = self.rope.cos_sin(positions)  # (batch, seq, head_dim)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = (t.unsqueeze(1) for t in rotary)  # (batch, 1, seq, head_dim): every head alike
         return q, self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin), v
 
     def forward(
         self,
         x: Tensor,
         positions: Tensor,
+        rotary: Rotary,
         valid: Tensor | None = None,
         cache: LayerKVCache | None = None,
         decode: bool = False,
@@ -89,6 +103,7 @@ class Attention(nn.Module):
         Args:
             x: Normalised hidden states.
             positions: ``(batch, seq)`` absolute positions.
+            rotary: ``(cos, sin)`` at those positions (see :meth:`RotaryEmbedding.cos_sin`).
             valid: ``(batch, seq)`` bool, False on right padding (None: all valid).
             cache: The layer's cache; None for a plain forward.
             decode: ``seq == 1`` decode step against ``cache`` (else prefill/plain).
@@ -97,10 +112,11 @@ class Attention(nn.Module):
             ``(batch, seq, hidden)``.
         """
         B, L, _ = x.shape
-        q_pre, q, k, v = self._project(x, positions)
+        q_pre, q, k, v = self.project(x, rotary)
         if decode:
             assert cache is not None, "decode needs a cache"
-            out = self._decode(q, k, v, q_pre, positions[:, 0], cache)
+            cache.append(k, v, q_pre, positions[:, 0])
+            out = cache.attend(q, self.scale)
         else:
             if valid is None:
                 valid = torch.ones(B, L, dtype=torch.bool, device=x.device)
@@ -111,22 +127,4 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
             )
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
-
-    def _decode(
-        self, q: Tensor, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor, cache: LayerKVCache
-    ) -> Tensor:
-        B = q.shape[0]
-        G = self.n_heads // self.n_kv_heads
-        keys, values, valid = cache.append(k, v, q_pre, positions)
-        # the GQA group plays the role of the query length: no repeat of K/V needed
-        qg = q.view(B, self.n_kv_heads, G, self.head_dim)  # (batch, kv_heads, group, head_dim)
-        mask = valid.unsqueeze(2)  # (batch, kv_heads, 1, capacity)
-        if cache.track_attention:
-            logits = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale
-            weights = logits.masked_fill(~mask, float("-inf")).softmax(-1)  # (batch, kv_heads, group, capacity)
-            cache.record_attention(weights)
-            out = torch.matmul(weights.to(values.dtype), values)
-        else:
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
-        return out.reshape(B, self.n_heads, 1, self.head_dim)
+        return self.o_proj(rearrange(out, "b h l d -> b l (h d)"))

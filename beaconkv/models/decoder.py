@@ -1,18 +1,25 @@
 """The decoder stack: decoder layer, causal-LM model, and one builder for llama/qwen2/qwen3.
 
 Every component is built outside and injected (norms, rotary module, attention, MLP), so a user
-can swap any of them; :func:`build_model` is the one place that knows how the three supported
-architectures differ (q/k/v biases for Qwen2, per-head q/k norms for Qwen3, tied or untied head).
-Parameter names are Hugging Face's, so checkpoints load without a renaming table.
+can swap any of them — by hand, or through :func:`build_model`'s keyword-only hooks (``rope``,
+``attention``, ``mlp``, ``norm``), which :func:`~beaconkv.models.loading.load_model` passes through.
+:func:`build_model` is the one place that knows how the three supported architectures differ (q/k/v
+biases for Qwen2, per-head q/k norms for Qwen3, tied or untied head). Parameter names are Hugging
+Face's, so checkpoints load without a renaming table.
+
+The rotary tables (``cos``, ``sin``) are computed once per forward by :class:`DecoderModel` and
+handed to every layer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache
-from .attention import Attention
+from .attention import Attention, Rotary
 from .config import ModelConfig
 from .layers import RMSNorm, SwiGLUMLP
 from .rope import RotaryEmbedding
@@ -37,26 +44,30 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
 
-    def forward(self, x: Tensor, positions: Tensor, valid: Tensor | None, cache, decode: bool) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, rotary: Rotary, valid: Tensor | None, cache, decode: bool) -> Tensor:
         """Applies the block (see :meth:`Attention.forward` for the arguments)."""
-        x = x + self.self_attn(self.input_layernorm(x), positions, valid, cache, decode)
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, valid, cache, decode)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Module):
-    """Token embedding, decoder layers and final norm (HF's ``model.*`` submodule).
+    """Token embedding, decoder layers and final norm (HF's ``model.*`` submodule), and the rotary module.
 
     Args:
         embed_tokens: Token embedding.
         layers: Decoder layers.
         norm: Final norm.
+        rope: The rotary module shared by every layer; its ``cos_sin(positions)`` tables are computed
+            here once per forward and handed to each layer.
     """
 
-    def __init__(self, embed_tokens: nn.Embedding, layers: list[nn.Module], norm: nn.Module) -> None:
+    def __init__(self, embed_tokens: nn.Embedding, layers: list[nn.Module], norm: nn.Module,
+                 rope: RotaryEmbedding) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.layers = nn.ModuleList(layers)
         self.norm = norm
+        self.rope = rope
 
     def forward(
         self,
@@ -68,8 +79,9 @@ class DecoderModel(nn.Module):
     ) -> Tensor:
         """Returns the final hidden states ``(batch, seq, hidden)``."""
         x = self.embed_tokens(input_ids)
+        rotary = self.rope.cos_sin(positions)  # once for all layers: (batch, seq, head_dim) each
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, valid, None if cache is None else cache[i], decode)
+            x = layer(x, positions, rotary, valid, None if cache is None else cache[i], decode)
         return self.norm(x)
 
 
@@ -83,17 +95,20 @@ class CausalLM(nn.Module):
         config: The architecture.
         model: The decoder stack (``model.*`` parameters).
         lm_head: Output projection; its weight is the embedding matrix when embeddings are tied.
-        rope: The rotary module shared by all layers (handed to eviction policies).
     """
 
-    def __init__(self, config: ModelConfig, model: DecoderModel, lm_head: nn.Linear, rope: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, model: DecoderModel, lm_head: nn.Linear) -> None:
         super().__init__()
         self.config = config
         self.model = model
         self.lm_head = lm_head
-        self.rope = rope
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def rope(self) -> nn.Module:
+        """The rotary module of every layer (eviction policies re-rotate stored queries with it)."""
+        return self.model.rope
 
     def forward(self, input_ids: Tensor, valid: Tensor | None = None) -> Tensor:
         """Plain causal forward, no cache.
@@ -141,40 +156,65 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden[:, 0]).float()
 
 
-def build_model(config: ModelConfig) -> CausalLM:
+#: ``rope=`` of :func:`build_model`: a rotary module, or a function of the config that makes one.
+RopeFactory = Callable[[ModelConfig], nn.Module]
+
+
+def default_rope(config: ModelConfig) -> RotaryEmbedding:
+    """The checkpoint's own rotary embedding (``rope_theta`` and ``rope_scaling`` of its config)."""
+    return RotaryEmbedding(config.head_dim, config.rope)
+
+
+def build_model(
+    config: ModelConfig,
+    *,
+    rope: nn.Module | RopeFactory | None = None,
+    attention: Callable[..., nn.Module] = Attention,
+    mlp: Callable[[ModelConfig], nn.Module] | None = None,
+    norm: Callable[[int, float], nn.Module] = RMSNorm,
+) -> CausalLM:
     """Builds an (uninitialised) model for a llama, qwen2 or qwen3 configuration.
 
     Construct it under ``torch.device("meta")`` to allocate nothing before loading weights.
 
     Args:
         config: The architecture.
+        rope: The rotary module shared by every layer, or ``rope(config)`` making one (default: the
+            config's own, :func:`default_rope`). Contract: ``cos_sin(positions) -> (cos, sin)`` float32
+            tables of shape ``positions.shape + (head_dim,)``; ``apply(x, cos, sin)`` rotates ``x``
+            ``(batch, heads, seq, head_dim)`` with tables broadcast over heads; ``rotate(x, positions)``
+            does both (eviction policies use it to re-rotate stored pre-RoPE queries).
+        attention: Called with :class:`Attention`'s keyword arguments (``q_proj``, ``k_proj``,
+            ``v_proj``, ``o_proj``, ``rope``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``q_norm``,
+            ``k_norm``) once per layer; a subclass of :class:`Attention` fits as it is. It must honour
+            the attention ↔ cache contract of :mod:`beaconkv.cache`.
+        mlp: ``mlp(config)`` making each layer's feed-forward (default :class:`SwiGLUMLP`, whose
+            ``gate_proj``/``up_proj``/``down_proj`` names the checkpoints use).
+        norm: ``norm(width, eps)`` making every RMS norm (layer norms, final norm, Qwen3's q/k norms).
 
     Returns:
         The model, with Hugging Face parameter names.
     """
     c = config
-    rope = RotaryEmbedding(c.head_dim, c.rope)
+    shared_rope = rope(c) if rope is not None and not isinstance(rope, nn.Module) else rope
+    shared_rope = shared_rope if shared_rope is not None else default_rope(c)
+    make_mlp = mlp or (lambda cfg: SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size))
     layers = []
     for _ in range(c.num_hidden_layers):
-        attn = Attention(
+        attn = attention(
             q_proj=nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias),
             k_proj=nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias),
             v_proj=nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias),
             o_proj=nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False),
-            rope=rope,
+            rope=shared_rope,
             n_heads=c.num_attention_heads,
             n_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
-            q_norm=RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None,
-            k_norm=RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None,
+            q_norm=norm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None,
+            k_norm=norm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None,
         )
-        layers.append(
-            DecoderLayer(
-                attn,
-                SwiGLUMLP(c.hidden_size, c.intermediate_size),
-                RMSNorm(c.hidden_size, c.rms_norm_eps),
-                RMSNorm(c.hidden_size, c.rms_norm_eps),
-            )
-        )
-    decoder = DecoderModel(nn.Embedding(c.vocab_size, c.hidden_size), layers, RMSNorm(c.hidden_size, c.rms_norm_eps))
-    return CausalLM(c, decoder, nn.Linear(c.hidden_size, c.vocab_size, bias=False), rope)
+        layers.append(DecoderLayer(attn, make_mlp(c), norm(c.hidden_size, c.rms_norm_eps),
+                                   norm(c.hidden_size, c.rms_norm_eps)))
+    decoder = DecoderModel(nn.Embedding(c.vocab_size, c.hidden_size), layers, norm(c.hidden_size, c.rms_norm_eps),
+                           shared_rope)
+    return CausalLM(c, decoder, nn.Linear(c.hidden_size, c.vocab_size, bias=False))

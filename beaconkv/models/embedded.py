@@ -366,7 +366,14 @@ def _expected_names(config: dict[str, Any]) -> set[str]:
 
 def _build_tokenizer(meta: dict[str, Any]) -> Any:
     """A ``tokenizers.Tokenizer`` equivalent to the byte-level BPE the GGUF file describes."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
 
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     token_types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))

@@ -10,14 +10,17 @@ all at once, by name and shape.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
+from .attention import Attention
 from .config import ModelConfig
-from .decoder import CausalLM, build_model
-from .rope import rope_inverse_frequencies
+from .decoder import CausalLM, RopeFactory, build_model, default_rope
+from .layers import RMSNorm
 
 HUB_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
@@ -119,6 +122,11 @@ def load_model(
     path_or_id: str | Path,
     dtype: torch.dtype | str | None = torch.float32,
     device: torch.device | str | None = "cpu",
+    *,
+    rope: nn.Module | RopeFactory | None = None,
+    attention: Callable[..., nn.Module] = Attention,
+    mlp: Callable[[ModelConfig], nn.Module] | None = None,
+    norm: Callable[[int, float], nn.Module] = RMSNorm,
 ) -> CausalLM:
     """Loads a llama / qwen2 / qwen3 causal LM from a directory or a hub id.
 
@@ -126,6 +134,11 @@ def load_model(
         path_or_id: Checkpoint directory or hub repo id (``"Qwen/Qwen3-4B"``).
         dtype: Parameter dtype (``torch.bfloat16``, ``"bf16"``, ``"float32"`` ...).
         device: Target device.
+        rope: Rotary module or ``rope(config)`` factory (see :func:`~beaconkv.models.decoder.build_model`);
+            it is made outside the meta-device construction (so its own buffers are real) and moved to ``device``.
+        attention: Attention class or factory (see :func:`~beaconkv.models.decoder.build_model`).
+        mlp: ``mlp(config)`` factory (default SwiGLU).
+        norm: ``norm(width, eps)`` factory (default RMSNorm).
 
     Returns:
         The model in eval mode.
@@ -140,8 +153,10 @@ def load_model(
     directory = resolve_checkpoint(path_or_id)
     config = ModelConfig.from_file(directory)
     files = _shard_files(directory)
+    # the rotary module is made for real (its buffers are not weights), on the CPU like the reference's
+    shared_rope = rope if isinstance(rope, nn.Module) else (rope or default_rope)(config)
     with torch.device("meta"):
-        model = build_model(config)
+        model = build_model(config, rope=shared_rope.to(dev), attention=attention, mlp=mlp, norm=norm)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
@@ -174,7 +189,5 @@ def load_model(
     model.load_state_dict(loaded, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # non-persistent buffers were built on meta: recompute them on the target device
-    model.rope.inv_freq = rope_inverse_frequencies(config.rope, config.head_dim)[0].to(dev)
     model.checkpoint_dir = directory
     return model.eval()

@@ -1,25 +1,35 @@
 """KV-cache eviction policies: BeaconKV and its baselines, behind one base class.
 
-Every policy subclasses :class:`EvictionPolicy` and returns per-slot scores; protection of the
-prefix and recent tokens, top-k and in-place compaction are shared. Build one by class or by name
-with :func:`make_policy`.
+Every policy subclasses :class:`EvictionPolicy` (a dataclass of settings) and returns per-slot
+scores; protection of the prefix and recent tokens, top-k and in-place compaction are shared. What a
+policy remembers while decoding lives in the :class:`PolicyState` it creates for a cache. Build one
+by class or by name with :func:`make_policy`.
 """
 
-from .base import EvictionPolicy, EvictionRecord, FullKV, PolicyConfigError, select_keep
-from .beacon import BeaconKV, InitialRecent
-from .registry import make_policy, policy_class, policy_names, register_policy
+from .base import EvictionPolicy, FullKV
+from .beacon import BeaconKV, BeaconState, InitialRecent
+from .config import PolicyConfigError
+from .h2o import H2O
+from .query_set import QuerySet
+from .registry import (
+    make_policy,
+    policy_class,
+    policy_names,
+    policy_parameters,
+    register_policy,
+)
+from .rkv import RKV
+from .rpc import RPC
 from .samplers import FPS, ContinualFPS, KMeans, NaiveFPS, QuerySampler
+from .selection import select_keep
+from .snapkv import SnapKV
+from .state import EvictionRecord, PolicyState, PolicyStats
+from .streaming import StreamingLLM
+from .window import RecentWindowPolicy
 
 __all__ = [
-    "BeaconKV", "ContinualFPS", "EvictionPolicy", "EvictionRecord", "FPS", "FullKV", "InitialRecent", "KMeans",
-    "NaiveFPS", "PolicyConfigError", "QuerySampler", "make_policy", "policy_class", "policy_names",
-    "register_policy", "select_keep",
+    "BeaconKV", "BeaconState", "ContinualFPS", "EvictionPolicy", "EvictionRecord", "FPS", "FullKV", "H2O",
+    "InitialRecent", "KMeans", "NaiveFPS", "PolicyConfigError", "PolicyState", "PolicyStats", "QuerySampler",
+    "QuerySet", "RKV", "RPC", "RecentWindowPolicy", "SnapKV", "StreamingLLM", "make_policy", "policy_class",
+    "policy_names", "policy_parameters", "register_policy", "select_keep",
 ]
-
-
-def __getattr__(name: str):
-    """Lazily exposes the baselines (``SnapKV``, ``RPC``, ``RKV``, ``H2O``, ``StreamingLLM``)."""
-    lazy = {"SnapKV": "snapkv", "RPC": "rpc", "RKV": "rkv", "H2O": "h2o", "StreamingLLM": "streaming"}
-    if name in lazy:
-        return policy_class(lazy[name])
-    raise AttributeError(name)

@@ -1,9 +1,14 @@
-"""The eviction-policy base class and the shared keep/compact mechanism.
+"""The eviction-policy base class: budget semantics, schedule and the shared keep/compact mechanism.
 
 A policy decides *what* to keep; the cache (:meth:`beaconkv.cache.LayerKVCache.compact`) does the
 moving. A new scoring policy is a small subclass that implements :meth:`EvictionPolicy.score`,
 returning one score per cached slot, shape ``(b, kv_heads, capacity)``; the base class protects the
 prefix and the recent tokens, takes the top-k, and compacts in position order.
+
+A policy object holds **settings only** (a dataclass: parameters, validation and ``repr`` in one
+place). Everything it remembers while decoding lives in a :class:`~beaconkv.policies.state.PolicyState`
+it creates for a cache (:meth:`EvictionPolicy.create_state`), so one policy object serves any number
+of caches — a generation, every slot of a pool, every run of a fidelity study.
 
 Budget semantics (SPEC §2), per sequence and KV head:
 
@@ -13,123 +18,54 @@ Budget semantics (SPEC §2), per sequence and KV head:
 * the last ``n_recent`` tokens always survive;
 * so the cache never holds more than ``n_prefix + budget`` tokens, and its memory is allocated once.
 
-Lifecycle, driven by :func:`beaconkv.generate`:
+Lifecycle, driven by :class:`beaconkv.session.Session` (for :func:`beaconkv.generate`, the engine and
+the fidelity study alike):
 
 1. :meth:`EvictionPolicy.capacity` sizes the cache from the prompt lengths;
-2. :meth:`EvictionPolicy.start` binds the policy to the freshly allocated cache (per-layer state,
-   prefill hooks);
-3. the prefill writes every prompt token (and calls :meth:`observe_prefill` per layer), then
-   :meth:`after_prefill` runs — it evicts at once if a prompt already exceeds the budget;
-4. each decode step writes one key and one pre-RoPE query per sequence in place (static shapes),
-   then :meth:`after_decode_step` runs on the host: it updates the evictable counts (plain Python
-   integers, so no device read is needed to know when to evict) and evicts the sequences whose
-   count reached ``budget``.
+2. :meth:`EvictionPolicy.create_state` allocates the state for the cache (per-layer tensors, hooks);
+3. :meth:`EvictionPolicy.admit` starts some rows; the prefill writes their prompts (calling
+   :meth:`observe_prefill` per layer), then :meth:`after_prefill` runs — it evicts at once a prompt
+   already over the budget;
+4. each decode step writes one key and one pre-RoPE query per row in place (static shapes), then
+   :meth:`after_decode_step` runs on the host: it advances the schedule (plain integers, so no
+   device read is needed to know when to evict) and evicts the rows whose count reached ``budget``;
+5. :meth:`EvictionPolicy.release` ends rows (a finished request leaves its slot).
+
+The device work — an eviction's score, select and compact (:meth:`evict_layer`), and any policy's
+own device functions — runs through the state's :class:`~beaconkv.execution.Executor`, eagerly or as
+compiled graphs: the same methods on the same state either way.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from ..cache import KVCache, LayerKVCache
+from ..execution import Executor
+from .config import PolicyConfigError, check_int, check_number
+from .selection import select_keep
+from .state import EvictionRecord, PolicyState, PolicyStats
 
-
-class PolicyConfigError(ValueError):
-    """Inconsistent policy settings (budget, ratio, n_recent, n_prefix...)."""
-
-
-@dataclass
-class EvictionRecord:
-    """Telemetry of one eviction of one layer.
-
-    Attributes:
-        step: Decode step (0 = right after prefill).
-        layer: Layer index.
-        rows: Batch indices that were evicted.
-        kept_positions: ``(len(rows), kv_heads, K)`` kept positions (``-1`` = padding), on CPU.
-        observed_positions: Positions of the queries the policy scored with, ``(len(rows), n)`` (``-1`` = unused).
-    """
-
-    step: int
-    layer: int
-    rows: list[int]
-    kept_positions: Tensor
-    observed_positions: Tensor | None = None
+__all__ = ["EvictionPolicy", "EvictionRecord", "FullKV", "PolicyConfigError", "PolicyState", "PolicyStats",
+           "select_keep"]
 
 
 @dataclass
-class PolicyStats:
-    """Counters a policy keeps during one generation.
-
-    Attributes:
-        evictions: Evictions per sequence.
-        eviction_seconds: Host wall time spent inside eviction (scoring + compaction).
-        telemetry: Per-eviction records when telemetry is on.
-    """
-
-    evictions: list[int] = field(default_factory=list)
-    eviction_seconds: float = 0.0
-    telemetry: list[EvictionRecord] = field(default_factory=list)
-
-
-def select_keep(
-    scores: Tensor,
-    pos: Tensor,
-    n_prefix: Tensor,
-    t: Tensor,
-    n_recent: int,
-    keep_total: Tensor,
-    keep_max: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Chooses the slots to keep: prefix and recent tokens, then the best-scored, in position order.
-
-    Args:
-        scores: ``(b, kv_heads, C)`` higher = keep; may be ``+inf`` to force a keep.
-        pos: ``(b, kv_heads, C)`` slot positions (``-1`` empty).
-        n_prefix: ``(b,)`` protected prefix length per sequence.
-        t: ``(b,)`` position of the newest token.
-        n_recent: The last ``n_recent`` positions are always kept.
-        keep_total: ``(b,)`` slots to keep per sequence.
-        keep_max: ``max(keep_total)`` when the caller knows it on the host; None reads it from the
-            device (a sync and a data-dependent shape — pass it inside compiled code).
-
-    Returns:
-        ``(keep, keep_valid)``, both ``(b, kv_heads, K)`` with ``K = max(keep_total)``: slot indices
-        sorted by position, and whether each entry is real (False entries come last).
-
-    Ties in score break toward the more recent position, so the choice does not depend on the
-    capacity or on the other sequences of the batch.
-    """
-    filled = pos >= 0
-    protected = filled & ((pos < n_prefix[:, None, None]) | (pos > (t - n_recent)[:, None, None]))
-    key = torch.where(protected, math.inf, scores.float())
-    key = torch.where(filled, key, -math.inf)
-    key = torch.nan_to_num(key, nan=-1e30, posinf=math.inf)
-    # stable sort: first newest-first by position, then by score descending
-    by_pos = torch.argsort(pos, dim=-1, descending=True, stable=True)
-    order = torch.gather(
-        by_pos, -1, torch.argsort(torch.gather(key, -1, by_pos), dim=-1, descending=True, stable=True)
-    )
-    K = int(keep_total.max()) if keep_max is None else keep_max
-    top = order[..., :K]
-    ranks = torch.arange(K, device=pos.device)
-    valid = (ranks[None, None, :] < keep_total[:, None, None]) & torch.gather(filled, -1, top)
-    top_pos = torch.where(valid, torch.gather(pos, -1, top), torch.iinfo(torch.long).max)
-    resort = torch.argsort(top_pos, dim=-1, stable=True)
-    return torch.gather(top, -1, resort), torch.gather(valid, -1, resort)
-
-
 class EvictionPolicy:
-    """Base class of every KV-cache eviction policy.
+    """Base class of every KV-cache eviction policy (a dataclass of settings).
 
-    Subclasses implement :meth:`score` (and optionally the hooks :meth:`init_layer`,
-    :meth:`observe_prefill`, :meth:`on_decode`, :meth:`after_evict`). Everything about budgets,
-    protection, scheduling and compaction is shared.
+    Subclasses implement :meth:`score` (and optionally the hooks :meth:`init_state`,
+    :meth:`observe_prefill`, :meth:`observe_attention`, :meth:`on_decode`, :meth:`after_evict`,
+    :meth:`after_count_change`). Everything about budgets, protection, scheduling and compaction is
+    shared. A subclass declared ``@dataclass`` adds its parameters as fields (after ``budget``,
+    before the keyword-only ones) and validates them in :meth:`validate`.
 
     Args:
         budget: ``B_max``, evictable tokens per sequence and KV head; None = never evict.
@@ -145,55 +81,71 @@ class EvictionPolicy:
         * kept K/V are bit-identical to what was written, positions strictly increasing.
 
     Raises:
-        PolicyConfigError: ``budget < 1``, ratio outside (0, 1), or ``budget - B_min < n_recent``.
+        PolicyConfigError: A non-int budget or ``budget < 1``, ratio outside (0, 1), or
+            ``budget - B_min < n_recent``.
     """
 
-    #: Short registry name.
-    name: str = "base"
-    #: Whether attention layers must report decode attention weights.
-    track_attention: bool = False
+    budget: int | None = None
+    _: KW_ONLY
+    n_prefix: int | None = None
+    n_recent: int = 16
+    ratio: float = 7 / 8
+    telemetry: bool = False
 
-    def __init__(
-        self,
-        budget: int | None,
-        *,
-        n_prefix: int | None = None,
-        n_recent: int = 16,
-        ratio: float = 7 / 8,
-        telemetry: bool = False,
-    ) -> None:
-        if not 0 < ratio < 1:
-            raise PolicyConfigError(f"ratio={ratio} must lie strictly between 0 and 1 (default 7/8).")
-        if n_recent < 0:
-            raise PolicyConfigError(f"n_recent={n_recent} must be >= 0.")
-        if n_prefix is not None and n_prefix < 0:
-            raise PolicyConfigError(f"n_prefix={n_prefix} must be >= 0 (or None for the whole prompt).")
-        if budget is not None:
-            if budget < 1:
-                raise PolicyConfigError(f"budget={budget} must be >= 1.")
-            b_min = math.floor(ratio * budget)
-            if budget - b_min < n_recent or b_min < n_recent:
-                need = max(math.ceil(n_recent / (1 - ratio)), math.ceil(n_recent / ratio))
+    #: Short registry name.
+    name: ClassVar[str] = "base"
+    #: Whether attention layers must report decode attention weights (to :meth:`observe_attention`).
+    track_attention: ClassVar[bool] = False
+    #: The class of :meth:`create_state`'s result.
+    state_class: ClassVar[type[PolicyState]] = PolicyState
+    #: Whether ``budget=None`` is an error (False for FullKV, and for cadences that size themselves).
+    requires_budget: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks the settings (subclasses extend it; called on construction).
+
+        Raises:
+            PolicyConfigError: Naming the bad value and the fix.
+        """
+        check_number("ratio", self.ratio, 0, 1, open_low=True, open_high=True, hint="(default 7/8)")
+        check_int("n_recent", self.n_recent, 0)
+        check_int("n_prefix", self.n_prefix, 0, optional=True, hint="Use None for the whole prompt.")
+        if not isinstance(self.telemetry, bool):
+            raise PolicyConfigError(f"telemetry={self.telemetry!r} must be True or False.")
+        check_int("budget", self.budget, 1, optional=True, hint="Use FullKV (budget=None) to keep everything.")
+        if self.budget is None and self.requires_budget:
+            raise PolicyConfigError(f"{type(self).__name__} needs a budget (e.g. budget=1024); "
+                                    "use FullKV to keep everything.")
+        if self.budget is not None:
+            b_min = math.floor(self.ratio * self.budget)
+            if self.budget - b_min < self.n_recent or b_min < self.n_recent:
+                need = max(math.ceil(self.n_recent / (1 - self.ratio)), math.ceil(self.n_recent / self.ratio))
                 raise PolicyConfigError(
-                    f"budget={budget} with ratio={ratio:.4g} evicts down to B_min={b_min}, which leaves "
-                    f"{budget - b_min} < n_recent={n_recent} slots per eviction; use budget >= {need} "
+                    f"budget={self.budget} with ratio={self.ratio:.4g} evicts down to B_min={b_min}, which leaves "
+                    f"{self.budget - b_min} < n_recent={self.n_recent} slots per eviction; use budget >= {need} "
                     f"or a smaller n_recent."
                 )
-        self.budget, self.n_prefix, self.n_recent, self.ratio = budget, n_prefix, n_recent, ratio
-        self.telemetry = telemetry
-        self.cache: KVCache | None = None
-        self.rope: Any = None
-        self.stats = PolicyStats()
 
-    # ---------------------------------------------------------------- sizing
+    # ------------------------------------------------------------------------------- sizing
     @property
     def b_min(self) -> int | None:
         """``floor(ratio * budget)``: evictable tokens left after an eviction."""
         return None if self.budget is None else math.floor(self.ratio * self.budget)
 
     @property
-    def query_window(self) -> int:
-        """How many recent pre-RoPE queries per head the cache must keep in its ring (0: none)."""
+    def evicts(self) -> bool:
+        """Whether the policy ever evicts (False for FullKV: the cache holds every token)."""
+        return self.budget is not None
+
+    def query_window(self, max_tokens: int) -> int:
+        """How many recent pre-RoPE queries per head the cache must keep in its ring (0: none).
+
+        Args:
+            max_tokens: The longest sequence (prompt + new tokens) the cache will see.
+        """
         return 0
 
     def prefix_lengths(self, prompt_lengths: list[int]) -> list[int]:
@@ -212,147 +164,221 @@ class EvictionPolicy:
             )
         return [self.n_prefix] * len(prompt_lengths)
 
-    def capacity(self, prompt_lengths: list[int], max_new_tokens: int) -> int:
-        """Cache slots needed per (sequence, KV head) for this batch.
+    def peak_evictable(self, count: int, new_tokens: int) -> int:
+        """Most evictable tokens a sequence holds at once, from ``count`` after its prompt and
+        ``new_tokens`` more. Default: ``budget`` (policies with their own cadence override it)."""
+        assert self.budget is not None
+        return self.budget
 
-        FullKV-like policies (``budget=None``) need every token; others ``max(n_prefix) + budget``.
+    def capacity(self, prompt_lengths: list[int], new_tokens: int) -> int:
+        """Cache slots needed per (sequence, KV head) for prompts of these lengths and ``new_tokens``.
+
+        A policy that never evicts needs every token; others the most a sequence ever holds:
+        its prefix plus :meth:`peak_evictable`, never more than the whole sequence and never less
+        than the prompt.
         """
-        longest = max(L + max_new_tokens for L in prompt_lengths)
-        if self.budget is None:
+        longest = max(L + new_tokens for L in prompt_lengths)
+        if not self.evicts:
             return longest
-        bound = max(p + self.budget for p in self.prefix_lengths(prompt_lengths))
-        return max(min(bound, longest), max(prompt_lengths))
+        prefixes = self.prefix_lengths(prompt_lengths)
+        peak = max(p + self.peak_evictable(L - p, new_tokens) for L, p in zip(prompt_lengths, prefixes))
+        return max(min(peak, longest), max(prompt_lengths))
 
-    # ------------------------------------------------------------- lifecycle
-    def start(self, cache: KVCache, rope: Any, prompt_lengths: list[int]) -> None:
-        """Binds the policy to a freshly allocated cache for one generation.
+    # ------------------------------------------------------------------------------- state
+    def create_state(self, cache: KVCache, rope: Any, executor: Executor | None = None) -> PolicyState:
+        """Allocates this policy's state for ``cache`` and installs the cache's hooks.
 
         Args:
-            cache: The generation's cache.
-            rope: The model's rotary module (re-rotates stored queries).
-            prompt_lengths: Real prompt length of each sequence.
+            cache: A freshly allocated cache (sized by :meth:`capacity`, ring by :meth:`query_window`).
+            rope: The model's rotary module.
+            executor: Runs the device functions (default: eagerly).
+
+        Returns:
+            The state; no row is admitted yet (see :meth:`admit`).
         """
-        self.cache, self.rope = cache, rope
-        self.prompt_lengths = list(prompt_lengths)
-        self.prefix = self.prefix_lengths(prompt_lengths)
-        self.count = [L - p for L, p in zip(prompt_lengths, self.prefix)]
-        self.t = [L - 1 for L in prompt_lengths]
-        self.step = 0
-        self.stats = PolicyStats(evictions=[0] * len(prompt_lengths))
-        self.peak_tokens = max(prompt_lengths)
+        state = self.state_class.allocate(cache, rope, executor)
+        self.init_state(state)
         for i, layer in enumerate(cache.layers):
-            layer.prefill_hook = (lambda q, p, v, i=i: self.observe_prefill(i, q, p, v))
-            self.init_layer(i, layer)
+            layer.prefill_hook = functools.partial(self.observe_prefill, state, state.layers[i])
+            if self.track_attention:
+                layer.attention_hook = functools.partial(self.observe_attention, state, state.layers[i])
+        return state
 
-    def after_prefill(self) -> None:
-        """Host-side bookkeeping after the prompt was written; evicts over-budget sequences."""
-        self.on_prefill_done()
-        self.evict_due()
-        self.after_count_change(list(range(len(self.count))))
+    def init_state(self, state: PolicyState) -> None:
+        """Allocates the policy's own state (per-layer tensors in ``state.layers``). Default: nothing."""
 
-    def after_decode_step(self) -> None:
-        """Host-side bookkeeping after one decode step wrote a token for every sequence."""
-        self.step += 1
-        self.count = [c + 1 for c in self.count]
-        self.t = [t + 1 for t in self.t]
-        self.peak_tokens = max(self.peak_tokens, max(p + c for p, c in zip(self.prefix, self.count)))
-        rows = list(range(len(self.count)))
-        self.on_decode(rows)
-        self.evict_due()
-        self.after_count_change(rows)
+    # ------------------------------------------------------------------------------- lifecycle
+    def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int]) -> None:
+        """Starts some rows before their prompts are written (their previous state is forgotten).
 
-    def evict_due(self) -> None:
-        """Evicts every sequence whose evictable count reached ``budget`` (override for another cadence)."""
+        Args:
+            state: The state.
+            rows: Row indices.
+            prompt_lengths: Real prompt length of each.
+        """
+        prefixes = self.prefix_lengths(prompt_lengths)
+        for b, L, p in zip(rows, prompt_lengths, prefixes):
+            state.count[b], state.t[b], state.prefix[b], state.live[b] = L - p, L - 1, p, True
+            state.stats.evictions[b] = 0
+        rows_t = state.index(rows)
+        state.t_dev[rows_t] = state.to_device([L - 1 for L in prompt_lengths])
+        state.prefix_dev[rows_t] = state.to_device(prefixes)
+        state.cache.active[rows_t] = True
+        state.peak_tokens = max(state.peak_tokens, max(prompt_lengths))
+
+    def after_prefill(self, state: PolicyState, rows: list[int]) -> None:
+        """Host bookkeeping after the prompts of ``rows`` were written; evicts over-budget rows."""
+        self.on_prefill_done(state, rows)
+        self.evict_due(state, rows)
+        self.after_count_change(state, rows)
+
+    def after_decode_step(self, state: PolicyState) -> None:
+        """Host bookkeeping after one decode step wrote a token for every live row; evicts due rows."""
+        rows = state.live_rows()
+        state.step += 1
+        for b in rows:
+            state.count[b] += 1
+            state.t[b] += 1
+            state.peak_tokens = max(state.peak_tokens, state.prefix[b] + state.count[b])
+        state.t_dev.add_(state.cache.active)
+        self.on_decode(state, rows)
+        self.evict_due(state, rows)
+        self.after_count_change(state, rows)
+
+    def release(self, state: PolicyState, rows: list[int]) -> None:
+        """Ends some rows: they stop decoding, evicting and counting, and their slots are emptied."""
+        for b in rows:
+            state.live[b] = False
+        rows_t = state.index(rows)
+        state.cache.active[rows_t] = False
+        state.cache.reset_rows(rows_t)
+
+    def evict_due(self, state: PolicyState, rows: list[int]) -> None:
+        """Evicts the given rows whose evictable count reached ``budget`` (override for another cadence)."""
         if self.budget is None:
             return
-        due = [b for b, c in enumerate(self.count) if c >= self.budget]
+        due = [b for b in rows if state.count[b] >= self.budget]
         if due:
-            self.evict(due)
+            self.evict(state, due)
 
-    def evict(self, rows: list[int]) -> None:
-        """Scores and compacts the given sequences in every layer, down to ``n_prefix + keep_count`` (``B_min``)."""
-        assert self.cache is not None
+    def evict(self, state: PolicyState, rows: list[int]) -> None:
+        """Scores and compacts the given rows in every layer, down to ``n_prefix + keep_count`` (``B_min``)."""
         t0 = time.perf_counter()
-        device = self.cache[0].pos.device
-        kept_counts = self.keep_count(rows)
-        totals = [self.prefix[b] + k for b, k in zip(rows, kept_counts)]
-
-        def host(values: list[int]) -> Tensor:
-            return torch.tensor(values, device=device)
-
-        self.evict_layers(rows, host(rows), host([self.t[b] for b in rows]), host([self.prefix[b] for b in rows]),
-                          host(totals), max(totals))
+        kept_counts = self.keep_count(state, rows)
+        totals = [state.prefix[b] + k for b, k in zip(rows, kept_counts)]
+        rows_t = state.index(rows)
+        t, n_prefix = state.t_dev[rows_t], state.prefix_dev[rows_t]
+        keep_total = state.to_device(totals)
+        K = max(totals)
+        run = state.executor.run
+        if state.executor.layerwise:
+            for i, layer in enumerate(state.cache.layers):
+                kept = run(type(self).evict_layer, self, state, state.layers[i], layer, rows_t, t, n_prefix,
+                           keep_total, K)
+                self._record(state, i, rows, rows_t, t, kept)
+        else:
+            kept_all = run(type(self).evict_all_layers, self, state, rows_t, t, n_prefix, keep_total, K)
+            for i, kept in enumerate(kept_all):
+                self._record(state, i, rows, rows_t, t, kept)
         for b, kept_count in zip(rows, kept_counts):
-            self.count[b] = kept_count
-            self.stats.evictions[b] += 1
-        self.after_evict(rows)
-        self.stats.eviction_seconds += time.perf_counter() - t0
+            state.count[b] = kept_count
+            state.stats.evictions[b] += 1
+        state.stats.eviction_calls += 1
+        self.after_evict(state, rows)
+        state.stats.eviction_seconds += time.perf_counter() - t0
 
-    def evict_layers(
-        self, rows: list[int], rows_t: Tensor, t: Tensor, n_prefix: Tensor, keep_total: Tensor, keep_max: int
-    ) -> None:
-        """The part of :meth:`evict` that touches the cache: scores, selects and compacts ``rows`` in every layer.
-
-        Compiled decoding runs it as compiled graphs for full-batch evictions; the bookkeeping around
-        it stays :meth:`evict`'s.
+    def evict_layer(
+        self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor, n_prefix: Tensor,
+        keep_total: Tensor, K: int,
+    ) -> Tensor:
+        """Scores, selects and compacts some rows of one layer: a device function (compiled as one graph).
 
         Args:
-            rows: The batch indices (host).
-            rows_t: The same, ``(b,)`` on the cache's device.
+            state: The policy's state.
+            layer_state: ``state.layers[i]`` of this layer.
+            cache: The layer's cache.
+            rows: ``(b,)`` row indices.
             t: ``(b,)`` newest positions.
             n_prefix: ``(b,)`` protected prefix lengths.
             keep_total: ``(b,)`` slots each row keeps.
-            keep_max: ``max(keep_total)``, known on the host.
-        """
-        for i, layer in enumerate(self.cache.layers):
-            scores = self.score(i, layer, rows_t, t)
-            keep, keep_valid = select_keep(scores, layer.pos[rows_t], n_prefix, t, self.n_recent, keep_total, keep_max)
-            if self.telemetry:
-                kept = torch.where(keep_valid, torch.gather(layer.pos[rows_t], -1, keep), -1)
-                self.stats.telemetry.append(
-                    EvictionRecord(self.step, i, list(rows), kept.cpu(), self.observed_positions(i, rows_t, t))
-                )
-            layer.compact(rows_t, keep, keep_valid)
+            K: ``max(keep_total)``, known on the host.
 
-    def keep_count(self, rows: list[int]) -> list[int]:
-        """Evictable tokens each of the given sequences keeps at this eviction. Default: ``B_min``.
+        Returns:
+            ``(b, kv_heads, K)`` the kept positions (``-1`` padding), for telemetry.
+        """
+        scores = self.score(state, layer_state, cache, rows, t)
+        pos = cache.positions(rows)
+        keep, keep_valid = select_keep(scores, pos, n_prefix, t, self.n_recent, keep_total, K)
+        kept = torch.where(keep_valid, torch.gather(pos, -1, keep), -1)
+        cache.compact(rows, keep, keep_valid)
+        return kept
+
+    def evict_all_layers(
+        self, state: PolicyState, rows: Tensor, t: Tensor, n_prefix: Tensor, keep_total: Tensor, K: int
+    ) -> list[Tensor]:
+        """:meth:`evict_layer` over every layer, as one device function (one CUDA-graph replay)."""
+        return [self.evict_layer(state, state.layers[i], layer, rows, t, n_prefix, keep_total, K)
+                for i, layer in enumerate(state.cache.layers)]
+
+    def _record(self, state: PolicyState, i: int, rows: list[int], rows_t: Tensor, t: Tensor, kept: Tensor) -> None:
+        if self.telemetry:
+            observed = self.observed_positions(state, state.layers[i], state.cache[i], rows_t, t)
+            state.stats.telemetry.append(EvictionRecord(state.step, i, list(rows), kept.cpu(), observed))
+
+    def keep_count(self, state: PolicyState, rows: list[int]) -> list[int]:
+        """Evictable tokens each of the given rows keeps at this eviction. Default: ``B_min``.
 
         Policies with another cadence (RPC's and R-KV's original schedules) override this together
-        with :meth:`evict_due` and :meth:`capacity`.
+        with :meth:`evict_due` and :meth:`peak_evictable`.
         """
         assert self.b_min is not None
         return [self.b_min] * len(rows)
 
-    # ------------------------------------------------------------------ hooks
-    def init_layer(self, layer: int, cache: LayerKVCache) -> None:
-        """Allocates per-layer state (called once per generation). Default: nothing."""
+    # ------------------------------------------------------------------------------- hooks
+    def observe_prefill(self, state: PolicyState, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
+                        rows: Tensor) -> None:
+        """Sees one layer's prompt queries at prefill. Default: nothing.
 
-    def observe_prefill(self, layer: int, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
-        """Sees the prompt's pre-RoPE queries ``(batch, heads, L, head_dim)`` of one layer. Default: nothing."""
+        Args:
+            state: The state.
+            layer_state: ``state.layers[i]`` of the layer.
+            q_pre: ``(b, heads, L, head_dim)`` pre-RoPE queries.
+            positions: ``(b, L)`` their positions.
+            valid: ``(b, L)`` False on padding.
+            rows: ``(b,)`` the rows being prefilled.
+        """
 
-    def on_prefill_done(self) -> None:
-        """Host hook after the prefill, before any eviction. Default: nothing."""
+    def observe_attention(self, state: PolicyState, layer_state: Any, weights: Tensor) -> None:
+        """Sees one layer's decode attention weights ``(batch, kv_heads, group, capacity)`` (with
+        ``track_attention = True``); runs inside the decode step, so device ops only. Default: nothing."""
 
-    def on_decode(self, rows: list[int]) -> None:
+    def on_prefill_done(self, state: PolicyState, rows: list[int]) -> None:
+        """Host hook after the prefill of ``rows``, before any eviction. Default: nothing."""
+
+    def on_decode(self, state: PolicyState, rows: list[int]) -> None:
         """Host hook after each decode step's write, before the eviction check. Default: nothing."""
 
-    def after_evict(self, rows: list[int]) -> None:
-        """Host hook after the given sequences were evicted. Default: nothing."""
+    def after_evict(self, state: PolicyState, rows: list[int]) -> None:
+        """Host hook after the given rows were evicted. Default: nothing."""
 
-    def after_count_change(self, rows: list[int]) -> None:
+    def after_count_change(self, state: PolicyState, rows: list[int]) -> None:
         """Host hook after every change of the evictable counts (decode step or eviction). Default: nothing."""
 
-    def observed_positions(self, layer: int, rows: Tensor, t: Tensor) -> Tensor | None:
+    def observed_positions(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor,
+                           t: Tensor) -> Tensor | None:
         """Positions of the queries used for scoring (telemetry). Default: None."""
         return None
 
-    def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
-        """Scores every cached slot of the given sequences; higher = keep.
+    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+        """Scores every cached slot of the given rows; higher = keep. A device function: read tensors only.
 
         Args:
-            layer: Layer index.
-            cache: The layer's cache (read ``cache.k``, ``cache.pos``, ``cache.queries`` ... at ``rows``).
-            rows: ``(b,)`` batch indices being evicted.
+            state: The policy's state.
+            layer_state: ``state.layers[i]`` of this layer (None unless the policy keeps per-layer state).
+            cache: The layer's cache (read :meth:`~beaconkv.cache.LayerKVCache.keys`,
+                :meth:`~beaconkv.cache.LayerKVCache.positions`, :meth:`~beaconkv.cache.LayerKVCache.ring`
+                at ``rows``).
+            rows: ``(b,)`` row indices being evicted.
             t: ``(b,)`` position of the newest token of each.
 
         Returns:
@@ -361,20 +387,23 @@ class EvictionPolicy:
         """
         raise NotImplementedError(f"{type(self).__name__} must implement score()")
 
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(budget={self.budget}, n_prefix={self.n_prefix}, "
-            f"n_recent={self.n_recent}, ratio={self.ratio:.4g})"
-        )
-
 
 class FullKV(EvictionPolicy):
-    """Keeps every token (the reference). The cache is sized to prompt + ``max_new_tokens``."""
+    """Keeps every token (the reference). The cache is sized to prompt + ``max_new_tokens``.
 
-    name = "full"
+    Args:
+        telemetry: Accepted for symmetry with the other policies (FullKV never evicts).
+    """
+
+    name: ClassVar[str] = "full"
+    requires_budget: ClassVar[bool] = False
 
     def __init__(self, telemetry: bool = False) -> None:
         super().__init__(None, telemetry=telemetry)
 
-    def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:  # pragma: no cover
+    def __repr__(self) -> str:
+        return "FullKV()"
+
+    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor,
+              t: Tensor) -> Tensor:  # pragma: no cover
         raise RuntimeError("FullKV never evicts")

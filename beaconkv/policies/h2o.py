@@ -1,23 +1,29 @@
 """H2O (Heavy-Hitter Oracle): keep the tokens that have received the most attention, plus a recent window.
 
-Observes every decode step's attention weights through the cache's attention hook and accumulates
-them in a per-slot buffer that moves with the keys on compaction.
+Observes every decode step's attention weights (:meth:`H2O.observe_attention`, inside the decode
+step) and accumulates them in a per-slot buffer of each layer's cache, which moves with the keys on
+compaction.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from ..cache import LayerKVCache
-from .base import EvictionPolicy, PolicyConfigError
+from .base import EvictionPolicy
+from .config import check_number
+from .state import PolicyState
 
 #: Name of the accumulated-attention slot buffer on each layer cache.
 ACC = "h2o_acc"
 
 
+@dataclass
 class H2O(EvictionPolicy):
     """Heavy hitters + recent tokens (Zhang et al., 2023).
 
@@ -32,43 +38,40 @@ class H2O(EvictionPolicy):
     accumulated: prompt slots start at 0, which matters only when ``n_prefix`` leaves part of the
     prompt evictable (**choice**; with the default prefix the prompt is never evicted).
 
+    State: ``state.layers[i]`` is layer ``i``'s accumulated-attention slot buffer ``(batch, kv_heads,
+    capacity)``.
+
     Args:
         budget: ``B_max`` (see :class:`~beaconkv.policies.base.EvictionPolicy`).
         recent_ratio: Share of ``B_min`` reserved for the most recent tokens, in ``[0, 1]`` (default
             0.5, H2O's even heavy/recent split).
-        **kwargs: ``n_prefix``, ``n_recent``, ``ratio``, ``telemetry`` of the base class.
+        n_prefix, n_recent, ratio, telemetry: Keyword-only, see the base class.
 
     Raises:
         PolicyConfigError: ``recent_ratio`` outside ``[0, 1]``.
     """
 
-    name = "h2o"
-    track_attention = True
+    recent_ratio: float = 0.5
 
-    def __init__(self, budget: int | None, recent_ratio: float = 0.5, **kwargs) -> None:
-        super().__init__(budget, **kwargs)
-        if not 0.0 <= recent_ratio <= 1.0:
-            raise PolicyConfigError(f"recent_ratio={recent_ratio} must lie in [0, 1] (default 0.5).")
-        self.recent_ratio = recent_ratio
+    name: ClassVar[str] = "h2o"
+    track_attention: ClassVar[bool] = True
+
+    def validate(self) -> None:
+        super().validate()
+        check_number("recent_ratio", self.recent_ratio, 0.0, 1.0, hint="(default 0.5)")
 
     @property
     def n_recent_h2o(self) -> int:
         """Recent tokens of the heavy/recent split: ``floor(recent_ratio * B_min)``."""
         return 0 if self.b_min is None else math.floor(self.recent_ratio * self.b_min)
 
-    def init_layer(self, layer: int, cache: LayerKVCache) -> None:
-        acc = cache.register_slot_buffer(ACC)
+    def init_state(self, state: PolicyState) -> None:
+        state.layers = [layer.register_slot_buffer(ACC) for layer in state.cache.layers]
 
-        def accumulate(weights: Tensor) -> None:
-            # weights: (batch, kv_heads, group, capacity); empty slots carry 0
-            acc.add_(weights.sum(2).to(acc.dtype))
+    def observe_attention(self, state: PolicyState, acc: Tensor, weights: Tensor) -> None:
+        # weights: (batch, kv_heads, group, capacity); empty slots carry 0
+        acc.add_(weights.sum(2).to(acc.dtype))
 
-        cache.attention_hook = accumulate
-
-    def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
-        acc = cache.slot_buffers[ACC][rows]  # (b, kv_heads, capacity)
-        recent = cache.pos[rows] > (t - self.n_recent_h2o)[:, None, None]
-        return torch.where(recent, math.inf, acc)
-
-    def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}, recent_ratio={self.recent_ratio})"
+    def score(self, state: PolicyState, acc: Tensor, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+        recent = cache.positions(rows) > (t - self.n_recent_h2o)[:, None, None]
+        return torch.where(recent, math.inf, acc[rows])

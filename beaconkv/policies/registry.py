@@ -1,35 +1,59 @@
-"""Policy names -> classes, for the CLI, the benchmarks and the evaluation harness."""
+"""Policy names -> classes (with default settings): the one factory of the CLI, the measures, the eval and the tests.
+
+A registry entry is a policy class plus keyword defaults, so a variant of a policy (BeaconKV with
+another aggregation, say) is one line: ``register_policy("beacon_mean", BeaconKV, aggregation="mean")``.
+:func:`make_policy` validates the keyword arguments against the class's dataclass fields before
+constructing, so a typo fails at once with the list of valid names.
+"""
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 from typing import Any
 
-from .base import EvictionPolicy, PolicyConfigError
+from .base import EvictionPolicy, FullKV
+from .beacon import BeaconKV, InitialRecent
+from .config import PolicyConfigError
+from .h2o import H2O
+from .rkv import RKV
+from .rpc import RPC
+from .snapkv import SnapKV
+from .streaming import StreamingLLM
 
-_BUILTIN = {
-    "full": "beaconkv.policies.base:FullKV",
-    "beacon": "beaconkv.policies.beacon:BeaconKV",
-    "initial_recent": "beaconkv.policies.beacon:InitialRecent",
-    "snapkv": "beaconkv.policies.snapkv:SnapKV",
-    "rpc": "beaconkv.policies.rpc:RPC",
-    "rkv": "beaconkv.policies.rkv:RKV",
-    "h2o": "beaconkv.policies.h2o:H2O",
-    "streaming": "beaconkv.policies.streaming:StreamingLLM",
-}
+_ENTRIES: dict[str, tuple[type[EvictionPolicy], dict[str, Any]]] = {}
 _ALIASES = {"fullkv": "full", "beaconkv": "beacon", "streamingllm": "streaming", "r-kv": "rkv",
             "initial+recent": "initial_recent"}
-_registered: dict[str, type[EvictionPolicy]] = {}
 
 
-def register_policy(name: str, cls: type[EvictionPolicy]) -> None:
-    """Makes a custom policy class available to :func:`make_policy` and the CLI under ``name``."""
-    _registered[name.lower()] = cls
+def register_policy(name: str, cls: type[EvictionPolicy], **defaults: Any) -> None:
+    """Makes a policy class available to :func:`make_policy` and the CLI under ``name``.
+
+    Args:
+        name: Registry name (case-insensitive).
+        cls: An :class:`~beaconkv.policies.EvictionPolicy` subclass.
+        **defaults: Settings this name implies (overridable by :func:`make_policy`'s arguments).
+
+    Raises:
+        PolicyConfigError: ``cls`` is not a policy class, or a default is not one of its parameters.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+        raise PolicyConfigError(f"register_policy({name!r}, {cls!r}): the class must subclass EvictionPolicy.")
+    _check_parameters(name, cls, defaults)
+    _ENTRIES[name.lower()] = (cls, dict(defaults))
 
 
 def policy_names() -> list[str]:
     """All names :func:`make_policy` accepts (aliases excluded)."""
-    return sorted(set(_BUILTIN) | set(_registered))
+    return sorted(_ENTRIES)
+
+
+def _entry(name: str) -> tuple[type[EvictionPolicy], dict[str, Any]]:
+    if not isinstance(name, str):
+        raise PolicyConfigError(f"policy={name!r} must be a registry name; choose one of {', '.join(policy_names())}.")
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in _ENTRIES:
+        raise PolicyConfigError(f"policy={name!r} is unknown; choose one of {', '.join(policy_names())}.")
+    return _ENTRIES[key]
 
 
 def policy_class(name: str) -> type[EvictionPolicy]:
@@ -38,13 +62,40 @@ def policy_class(name: str) -> type[EvictionPolicy]:
     Raises:
         PolicyConfigError: Unknown name.
     """
-    key = _ALIASES.get(name.lower(), name.lower())
-    if key in _registered:
-        return _registered[key]
-    if key not in _BUILTIN:
-        raise PolicyConfigError(f"policy={name!r} is unknown; choose one of {', '.join(policy_names())}.")
-    module, attr = _BUILTIN[key].split(":")
-    return getattr(importlib.import_module(module), attr)
+    return _entry(name)[0]
+
+
+def policy_defaults(name: str) -> dict[str, Any]:
+    """The settings a registry name implies beyond its class's own defaults (empty for the built-ins)."""
+    return dict(_entry(name)[1])
+
+
+def policy_parameters(name_or_cls: str | type[EvictionPolicy]) -> dict[str, Any]:
+    """A policy's parameters and their defaults (the registry name's defaults applied).
+
+    Raises:
+        PolicyConfigError: Unknown name.
+    """
+    cls, defaults = _entry(name_or_cls) if isinstance(name_or_cls, str) else (name_or_cls, {})
+    if cls is FullKV or issubclass(cls, FullKV):
+        return {"telemetry": False}
+    params = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
+    params.update(defaults)
+    return params
+
+
+def _check_parameters(name: str, cls: type[EvictionPolicy], kwargs: dict[str, Any]) -> None:
+    if not dataclasses.is_dataclass(cls):
+        return  # a hand-written subclass: its constructor checks its own arguments
+    known = set(policy_parameters(cls))
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise PolicyConfigError(f"policy {name!r} has no parameter {', '.join(unknown)}; "
+                                f"its parameters are {', '.join(sorted(known))}.")
+
+
+for _cls in (FullKV, BeaconKV, InitialRecent, SnapKV, RPC, RKV, H2O, StreamingLLM):
+    register_policy(_cls.name, _cls)
 
 
 def make_policy(name: str, budget: int | None = None, **kwargs: Any) -> EvictionPolicy:
@@ -54,17 +105,22 @@ def make_policy(name: str, budget: int | None = None, **kwargs: Any) -> Eviction
         name: ``full``, ``beacon``, ``initial_recent``, ``snapkv``, ``rpc``, ``rkv``, ``h2o``,
             ``streaming`` or a registered name.
         budget: ``B_max`` (ignored by ``full``).
-        **kwargs: Passed to the policy's constructor (``n_recent``, ``n_prefix``, ``n_beacon`` ...).
+        **kwargs: The policy's parameters (``n_recent``, ``n_prefix``, ``n_beacon`` ...), over the
+            registry name's defaults.
 
     Returns:
-        A fresh policy object (one per generation call).
+        A policy object (settings only: it may serve any number of generations).
 
     Raises:
-        PolicyConfigError: Unknown name, or a budget missing for an evicting policy.
+        PolicyConfigError: Unknown name or parameter, a budget missing for an evicting policy, or
+            settings the policy rejects.
     """
-    cls = policy_class(name)
-    if cls.__name__ == "FullKV":
+    cls, defaults = _entry(name)
+    if cls is FullKV or issubclass(cls, FullKV):
         return cls(**{k: v for k, v in kwargs.items() if k == "telemetry"})
-    if budget is None:
-        raise PolicyConfigError(f"policy {name!r} needs a budget (e.g. budget=1024).")
-    return cls(budget, **kwargs)
+    settings = {**defaults, **kwargs}
+    _check_parameters(name, cls, settings)
+    if budget is None and "budget" in settings:
+        budget = settings.pop("budget")
+    settings.pop("budget", None)
+    return cls(budget, **settings)

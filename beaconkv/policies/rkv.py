@@ -7,13 +7,17 @@ the project's cache layout: per sequence and KV head, slots in position order, s
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
+from einops import reduce
 from torch import Tensor
 
 from ..cache import LayerKVCache
-from .base import PolicyConfigError
-from .scoring import pool_slots
+from .config import check_choice, check_int, check_number
+from .scoring import group_queries, pool_slots
+from .state import PolicyState
 from .window import RecentWindowPolicy
 
 CADENCES = ("budget", "rkv")
@@ -50,6 +54,7 @@ def key_redundancy(keys: Tensor, mask: Tensor, threshold: float) -> Tensor:
     return torch.softmax(mean.masked_fill(~mask, -math.inf), dim=-1).nan_to_num(0.0)
 
 
+@dataclass
 class RKV(RecentWindowPolicy):
     """Redundancy-aware KV compression (Cai et al., 2025), SPEC §5.
 
@@ -92,82 +97,56 @@ class RKV(RecentWindowPolicy):
             budget, or ``buffer < 1``.
     """
 
-    name = "rkv"
+    window: int = 8
+    kernel: int = 7
+    lam: float = 0.1
+    threshold: float = 0.5
+    cadence: str = "budget"
+    buffer: int = 128
 
-    def __init__(
-        self,
-        budget: int,
-        window: int = 8,
-        kernel: int = 7,
-        lam: float = 0.1,
-        threshold: float = 0.5,
-        cadence: str = "budget",
-        buffer: int = 128,
-        **kwargs,
-    ) -> None:
-        super().__init__(budget, window, kernel, **kwargs)
-        if budget is None:
-            raise PolicyConfigError("RKV needs a budget (e.g. budget=1024).")
-        if not 0.0 <= lam <= 1.0:
-            raise PolicyConfigError(f"lam={lam} must lie in [0, 1] (default 0.1).")
-        if not 0.0 <= threshold <= 1.0:
-            raise PolicyConfigError(f"threshold={threshold} must be a cosine similarity in [0, 1] (default 0.5).")
-        if cadence not in CADENCES:
-            raise PolicyConfigError(f"cadence={cadence!r} is unknown; use one of {CADENCES}.")
-        if buffer < 1:
-            raise PolicyConfigError(f"buffer={buffer} must be >= 1 (default 128).")
-        self.lam, self.threshold = lam, threshold
-        self.cadence, self.buffer = cadence, buffer
+    name: ClassVar[str] = "rkv"
+
+    def validate(self) -> None:
+        super().validate()
+        check_number("lam", self.lam, 0.0, 1.0, hint="(default 0.1)")
+        check_number("threshold", self.threshold, 0.0, 1.0, hint="(a cosine similarity; default 0.5)")
+        check_choice("cadence", self.cadence, CADENCES)
+        check_int("buffer", self.buffer, 1, hint="(default 128)")
 
     # ---------------------------------------------------------------- scoring
-
-
-    def importance(self, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+    def importance(self, state: PolicyState, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
         """``(b, kv_heads, capacity)`` max-pooled attention of the last ``window`` queries (see the class)."""
-        q_rot, qpos, q_mask = self.window_queries(cache, rows, t)  # each query at its own position
-        q_rot = q_rot.float()
-        b, H, n, D = q_rot.shape
-        Hkv = cache.n_kv_heads
-        qg = q_rot.view(b, Hkv, H // Hkv, n, D)  # (b, kv_heads, group, n, head_dim)
-        logits = torch.einsum("bkgnd,bkcd->bkgnc", qg, cache.k[rows].float()) / math.sqrt(D)
-        logits = logits.amax(2)  # max over the GQA group, before the softmax: (b, kv_heads, n, C)
-        pos = cache.pos[rows]
+        q_rot, qpos, q_mask = self.window_queries(state, cache, rows, t)  # each query at its own position
+        qg = group_queries(q_rot.float(), cache.n_kv_heads)
+        logits = torch.einsum("bkgnd,bkcd->bkgnc", qg, cache.keys(rows).float()) / math.sqrt(cache.head_dim)
+        logits = reduce(logits, "b kv g n c -> b kv n c", "max")  # over the GQA group, before the softmax
+        pos = cache.positions(rows)
         seen = (pos >= 0) & (pos <= (t - self.window)[:, None, None])  # all but the last window
         w = torch.softmax(logits.masked_fill(~seen[:, :, None], -math.inf), dim=-1).nan_to_num(0.0)
         w = w * q_mask[:, None, :, None]
         mean = w.sum(2) / q_mask.sum(-1).clamp(min=1)[:, None, None]
         return pool_slots(mean, self.kernel, "max")
 
-    def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
-        pos = cache.pos[rows]
-        n_prefix = torch.tensor(self.prefix, device=pos.device)[rows][:, None, None]
-        redundancy = key_redundancy(cache.k[rows], (pos >= 0) & (pos >= n_prefix), self.threshold)
-        scores = self.lam * self.importance(cache, rows, t) - (1 - self.lam) * redundancy
+    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+        pos = cache.positions(rows)
+        n_prefix = state.prefix_dev[rows][:, None, None]
+        redundancy = key_redundancy(cache.keys(rows), (pos >= 0) & (pos >= n_prefix), self.threshold)
+        scores = self.lam * self.importance(state, cache, rows, t) - (1 - self.lam) * redundancy
         # the observation window outranks every score but not the base's +inf (prefix, n_recent): when
         # window > B_min the window must not push the prefix out
         window_keep = torch.finfo(torch.float32).max
         return torch.where(pos > (t - self.window)[:, None, None], window_keep, scores)
 
     # --------------------------------------------------------------- cadence
-    def evict_due(self) -> None:
+    def evict_due(self, state: PolicyState, rows: list[int]) -> None:
         if self.cadence == "budget":
-            return super().evict_due()
-        due = [b for b, c in enumerate(self.count) if c >= self.budget + self.buffer]
+            return super().evict_due(state, rows)
+        due = [b for b in rows if state.count[b] >= self.budget + self.buffer]
         if due:
-            self.evict(due)
+            self.evict(state, due)
 
-    def keep_count(self, rows: list[int]) -> list[int]:
-        return super().keep_count(rows) if self.cadence == "budget" else [self.budget] * len(rows)
+    def keep_count(self, state: PolicyState, rows: list[int]) -> list[int]:
+        return super().keep_count(state, rows) if self.cadence == "budget" else [self.budget] * len(rows)
 
-    def capacity(self, prompt_lengths: list[int], max_new_tokens: int) -> int:
-        if self.cadence == "budget":
-            return super().capacity(prompt_lengths, max_new_tokens)
-        longest = max(L + max_new_tokens for L in prompt_lengths)
-        bound = max(p + self.budget + self.buffer for p in self.prefix_lengths(prompt_lengths))
-        return max(min(bound, longest), max(prompt_lengths))
-
-    def __repr__(self) -> str:
-        extra = f", window={self.window}, kernel={self.kernel}, lam={self.lam}, threshold={self.threshold}"
-        if self.cadence == "rkv":
-            extra += f", cadence='rkv', buffer={self.buffer}"
-        return f"{super().__repr__()[:-1]}{extra})"
+    def peak_evictable(self, count: int, new_tokens: int) -> int:
+        return self.budget if self.cadence == "budget" else self.budget + self.buffer

@@ -8,19 +8,34 @@ per period).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from ..cache import LayerKVCache
-from .base import PolicyConfigError
+from .config import PolicyConfigError, check_choice, check_int
 from .scoring import attention_probs, pool_slots, reduce_group, reduce_queries
+from .state import PolicyState
 from .window import RecentWindowPolicy
 
 CADENCES = ("budget", "rpc")
 GROUP_REDUCES = ("mean", "all_heads")
 
 
+@dataclass(eq=False)
+class RPCState(PolicyState):
+    """RPC's state: the base schedule plus, per row, the evictable tokens older than the current period.
+
+    Attributes:
+        settled: Host, per row: evictable tokens already compressed (cadence ``"rpc"``).
+    """
+
+    settled: list[int] = field(default_factory=list)
+
+
+@dataclass
 class RPC(RecentWindowPolicy):
     """Reasoning Path Compression (Song et al., 2025), SPEC §5.
 
@@ -67,56 +82,48 @@ class RPC(RecentWindowPolicy):
             ``R + period // compression`` tokens.
     """
 
-    name = "rpc"
+    window: int = 32
+    kernel: int = 7
+    group_reduce: str = "mean"
+    cadence: str = "budget"
+    period: int = 1024
+    compression: int = 4
+    reselect: bool = False
 
-    def __init__(
-        self,
-        budget: int | None,
-        window: int = 32,
-        kernel: int = 7,
-        group_reduce: str = "mean",
-        cadence: str = "budget",
-        period: int = 1024,
-        compression: int = 4,
-        reselect: bool = False,
-        **kwargs,
-    ) -> None:
-        super().__init__(budget, window, kernel, **kwargs)
-        if group_reduce not in GROUP_REDUCES:
-            raise PolicyConfigError(f"group_reduce={group_reduce!r} is unknown; use one of {GROUP_REDUCES}.")
-        if cadence not in CADENCES:
-            raise PolicyConfigError(f"cadence={cadence!r} is unknown; use one of {CADENCES}.")
-        if cadence == "budget" and budget is None:
+    name: ClassVar[str] = "rpc"
+    requires_budget: ClassVar[bool] = False  # cadence="rpc" sizes itself; validate() checks the rest
+    state_class: ClassVar[type[PolicyState]] = RPCState
+
+    def validate(self) -> None:
+        super().validate()
+        check_choice("group_reduce", self.group_reduce, GROUP_REDUCES)
+        check_choice("cadence", self.cadence, CADENCES)
+        if self.cadence == "budget" and self.budget is None:
             raise PolicyConfigError("cadence='budget' needs a budget (e.g. budget=1024), or use cadence='rpc'.")
-        if cadence == "rpc":
-            if budget is not None:
+        if self.cadence == "rpc":
+            if self.budget is not None:
                 raise PolicyConfigError(
-                    f"cadence='rpc' sizes the cache from period={period} and compression={compression}; "
-                    f"pass budget=None instead of budget={budget}."
+                    f"cadence='rpc' sizes the cache from period={self.period} and compression={self.compression}; "
+                    f"pass budget=None instead of budget={self.budget}."
                 )
-            if compression < 1:
-                raise PolicyConfigError(f"compression={compression} must be >= 1 (default 4).")
-            keep_recent = max(window, self.n_recent)
-            if period // compression < 1 or period < keep_recent + period // compression:
+            check_int("compression", self.compression, 1, hint="(default 4)")
+            check_int("period", self.period, 1, hint="(default 1024)")
+            keep_recent, kept = max(self.window, self.n_recent), self.period // self.compression
+            if kept < 1 or self.period < keep_recent + kept:
                 raise PolicyConfigError(
-                    f"period={period} must hold the {keep_recent} uncompressed recent tokens (max(window, "
-                    f"n_recent)) plus at least period // compression={period // compression} >= 1 kept "
-                    f"tokens; use period >= {keep_recent + max(1, period // compression)} or a smaller "
-                    "compression/window."
+                    f"period={self.period} must hold the {keep_recent} uncompressed recent tokens (max(window, "
+                    f"n_recent)) plus at least period // compression={kept} >= 1 kept "
+                    f"tokens; use period >= {keep_recent + max(1, kept)} or a smaller compression/window."
                 )
-        self.group_reduce = group_reduce
-        self.cadence, self.period, self.compression, self.reselect = cadence, period, compression, reselect
 
     # ---------------------------------------------------------------- scoring
-
-
-    def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
-        q_rot, qpos, q_mask = self.window_queries(cache, rows, t)  # each query at its own position
-        pos = cache.pos[rows]  # (b, kv_heads, capacity)
-        n_prefix = torch.tensor(self.prefix, device=pos.device)[rows][:, None, None]
+    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+        q_rot, qpos, q_mask = self.window_queries(state, cache, rows, t)  # each query at its own position
+        pos = cache.positions(rows)  # (b, kv_heads, capacity)
+        n_prefix = state.prefix_dev[rows][:, None, None]
         evictable = (pos >= 0) & (pos >= n_prefix)
         w = attention_probs(
-            q_rot, q_mask, cache.k[rows], evictable, 1.0 / math.sqrt(cache.head_dim), q_pos=qpos, key_pos=pos
+            q_rot, q_mask, cache.keys(rows), evictable, 1.0 / math.sqrt(cache.head_dim), q_pos=qpos, key_pos=pos
         )  # (b, kv_heads, group, n, capacity)
         summed = reduce_queries(w, q_mask, "sum")  # (b, kv_heads, group, capacity)
         if self.group_reduce == "all_heads":
@@ -142,41 +149,41 @@ class RPC(RecentWindowPolicy):
         """``period // compression``: tokens a compression keeps out of a period (besides the recent)."""
         return self.period // self.compression
 
-    def start(self, cache, rope, prompt_lengths: list[int]) -> None:
-        super().start(cache, rope, prompt_lengths)
-        #: evictable tokens older than the current period, per sequence (cadence "rpc")
-        self.settled = [0] * len(prompt_lengths)
+    @property
+    def evicts(self) -> bool:
+        return True
 
-    def evict_due(self) -> None:
+    def init_state(self, state: PolicyState) -> None:
+        assert isinstance(state, RPCState)
+        state.settled = [0] * state.batch
+
+    def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int]) -> None:
+        super().admit(state, rows, prompt_lengths)
+        for b in rows:
+            state.settled[b] = 0
+
+    def evict_due(self, state: PolicyState, rows: list[int]) -> None:
         if self.cadence == "budget":
-            return super().evict_due()
-        due = [b for b, (c, s) in enumerate(zip(self.count, self.settled)) if c - s >= self.period]
+            return super().evict_due(state, rows)
+        due = [b for b in rows if state.count[b] - state.settled[b] >= self.period]
         if due:
-            self.evict(due)
+            self.evict(state, due)
 
-    def keep_count(self, rows: list[int]) -> list[int]:
+    def keep_count(self, state: PolicyState, rows: list[int]) -> list[int]:
         if self.cadence == "budget":
-            return super().keep_count(rows)
-        return [self.count[b] - self.period + self.kept_per_period + self.keep_recent for b in rows]
+            return super().keep_count(state, rows)
+        return [state.count[b] - self.period + self.kept_per_period + self.keep_recent for b in rows]
 
-    def after_evict(self, rows: list[int]) -> None:
+    def after_evict(self, state: PolicyState, rows: list[int]) -> None:
         if self.cadence == "rpc":
             for b in rows:
-                self.settled[b] = self.count[b] - self.keep_recent
+                state.settled[b] = state.count[b] - self.keep_recent
 
-    def capacity(self, prompt_lengths: list[int], max_new_tokens: int) -> int:
-        if self.cadence == "budget":
-            return super().capacity(prompt_lengths, max_new_tokens)
-        longest = max(L + max_new_tokens for L in prompt_lengths)
-        peaks = [
-            p + self._peak_count(L - p, max_new_tokens)
-            for L, p in zip(prompt_lengths, self.prefix_lengths(prompt_lengths))
-        ]
-        return max(min(max(peaks), longest), max(prompt_lengths))
-
-    def _peak_count(self, count: int, new_tokens: int) -> int:
-        """Most evictable tokens a sequence holds under the "rpc" cadence (host arithmetic, one loop
+    def peak_evictable(self, count: int, new_tokens: int) -> int:
+        """Most evictable tokens a sequence holds (under the "rpc" cadence: host arithmetic, one loop
         iteration per compression)."""
+        if self.cadence == "budget":
+            return super().peak_evictable(count, new_tokens)
         P, T, R = self.period, self.kept_per_period, self.keep_recent
         settled, peak = 0, count
         if count >= P:  # the prompt alone fills a period: compressed right after the prefill
@@ -188,9 +195,3 @@ class RPC(RecentWindowPolicy):
             if count - settled >= P:
                 settled, count = count - P + T, count - P + T + R
         return peak
-
-    def __repr__(self) -> str:
-        extra = f", window={self.window}, kernel={self.kernel}, group_reduce={self.group_reduce!r}"
-        if self.cadence == "rpc":
-            extra += f", cadence='rpc', period={self.period}, compression={self.compression}, reselect={self.reselect}"
-        return f"{super().__repr__()[:-1]}{extra})"

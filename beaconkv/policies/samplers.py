@@ -19,6 +19,7 @@ never depend on data.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from torch import Tensor
 
 __all__ = [
     "SAMPLER_NAMES",
+    "TIE_RTOL",
     "FPS",
     "ContinualFPS",
     "KMeans",
@@ -47,6 +49,20 @@ _GRAM_MAX_POINTS = 256
 # `farthest_point_sampling`).
 _AFTER_VALID = torch.finfo(torch.float32).max
 _NEVER = math.inf
+#: Default tie tolerance of FPS: scores this close (relative to their size, at least absolutely) count
+#: as a tie, broken on the lowest index. Exact duplicate points can get scores one rounding step apart
+#: when a GEMM computes their rows or columns in different blocks, and must still tie (SPEC §3).
+TIE_RTOL = 1e-6
+
+
+def _first_min(key: Tensor, tie_rtol: float) -> Tensor:
+    """Per row, the lowest index whose key lies within the tie tolerance of the row's minimum."""
+    if tie_rtol == 0:
+        return key.argmin(dim=-1)  # the first exact minimum
+    low = key.amin(dim=-1, keepdim=True)
+    # sentinel minima (no candidate left) tie exactly, so an already picked point is never taken again
+    bound = torch.where(low < _AFTER_VALID, low + tie_rtol * low.abs().clamp(min=1.0), low)
+    return (key <= bound).to(torch.uint8).argmax(dim=-1)  # argmax returns the first maximum
 
 
 def _check_inputs(points: Tensor, k: int, valid: Tensor | None) -> None:
@@ -118,13 +134,14 @@ def _pick(score: Tensor, candidate: Tensor, taken: Tensor) -> tuple[Tensor, Tens
 
 
 def farthest_point_sampling(
-    points: Tensor, k: int, valid: Tensor | None = None
+    points: Tensor, k: int, valid: Tensor | None = None, tie_rtol: float = TIE_RTOL
 ) -> tuple[Tensor, Tensor]:
     """Select `k` mutually dissimilar points by greedy farthest-point sampling (cosine similarity).
 
     The seed is the valid point with the lowest mean cosine similarity to all valid points (itself
     included). Each next point is the unselected valid point whose maximum cosine similarity to the
-    already selected points is the smallest. Ties break on the lowest index. The computation runs in
+    already selected points is the smallest. Ties break on the lowest index: scores within
+    ``tie_rtol`` (relative, at least absolute) of the best count as tied. The computation runs in
     float32 whatever the input dtype, is vectorised over the leading dims (a Python loop runs only
     over the `k` selections) and makes no host syncs, so it can run under `torch.compile`.
 
@@ -133,6 +150,8 @@ def farthest_point_sampling(
             directions matter; zero vectors count as cosine 0 to every point.
         k: number of points to select, >= 0. May exceed N; the surplus slots are invalid.
         valid: (..., N) bool mask of the points that may be selected; None means all.
+        tie_rtol: Tie tolerance (default :data:`TIE_RTOL`); 0 takes the exact minimum (duplicates may
+            then break on rounding noise).
 
     Returns:
         indices: (..., k) int64 indices into the N axis, in selection order. The valid selections
@@ -154,8 +173,8 @@ def farthest_point_sampling(
 
     # Seed score: sum_j cos(i, j) over valid j = unit_i . sum_j unit_j. It is n_valid times the
     # mean, so its argmin is the same, without a division that could merge nearly equal means.
-    # Identical points get bitwise identical scores (the same products summed in the same order),
-    # so exact ties really break on the lowest index.
+    # A GEMM may give identical points scores a rounding step apart (rows computed in different
+    # blocks), hence the tie tolerance of each pick.
     total = mask.to(unit.dtype).unsqueeze(1) @ unit  # (B, 1, D)
     score = (unit @ total.transpose(1, 2)).squeeze(2)  # (B, N)
     # Cosines to each new pick: for small N, rows of the pairwise cosine matrix (one batched GEMM,
@@ -170,7 +189,7 @@ def farthest_point_sampling(
     indices: list[Tensor] = []
     picked_valid: list[Tensor] = []
     for step in range(k):
-        pick = key.argmin(dim=-1)  # argmin returns the first minimum: lowest index on ties
+        pick = _first_min(key, tie_rtol)  # lowest index on ties
         indices.append(pick)
         picked_valid.append(key.gather(1, pick[:, None]).squeeze(1) < _AFTER_VALID)
         if gram is not None:
@@ -192,14 +211,14 @@ class QuerySampler(ABC):
 
     Attributes:
         name: the name `make_sampler` knows the sampler by.
-        bounded: True when a policy using this sampler keeps a bounded query buffer and compresses
+        bounded: True (the default) when a policy using this sampler keeps a bounded query buffer and compresses
             it as it fills (Continual FPS, memory <= B_max^Q vectors per head); False when the
             policy must keep the whole query history and select from it at each freeze (unbounded
             memory, for analysis and oracles).
     """
 
-    name: ClassVar[str]
-    bounded: ClassVar[bool]
+    name: ClassVar[str] = "sampler"
+    bounded: ClassVar[bool] = True
 
     @abstractmethod
     def select(self, points: Tensor, k: int, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -217,20 +236,38 @@ class QuerySampler(ABC):
         """
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        """The class name and the settings that differ from their defaults."""
+        if not dataclasses.is_dataclass(self):
+            return f"{type(self).__name__}()"
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                   if f.repr and getattr(self, f.name) != f.default]
+        return f"{type(self).__name__}({', '.join(changed)})"
 
 
+@dataclass(frozen=True, repr=False)
 class FPS(QuerySampler):
-    """Farthest-point sampling under cosine similarity (SPEC §3), see `farthest_point_sampling`."""
+    """Farthest-point sampling under cosine similarity (SPEC §3), see `farthest_point_sampling`.
+
+    Args:
+        tie_rtol: Scores this close count as a tie, broken on the lowest index (default
+            :data:`TIE_RTOL`; 0 = exact minimum).
+    """
+
+    tie_rtol: float = TIE_RTOL
 
     name: ClassVar[str] = "fps"
     bounded: ClassVar[bool] = True
 
+    def __post_init__(self) -> None:
+        if isinstance(self.tie_rtol, bool) or not isinstance(self.tie_rtol, (int, float)) or not 0 <= self.tie_rtol < 1:
+            raise ValueError(f"tie_rtol={self.tie_rtol!r} must be a number in [0, 1) (default {TIE_RTOL}).")
+
     def select(self, points: Tensor, k: int, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Select `k` points by farthest-point sampling; see `farthest_point_sampling`."""
-        return farthest_point_sampling(points, k, valid)
+        return farthest_point_sampling(points, k, valid, self.tie_rtol)
 
 
+@dataclass(frozen=True, repr=False)
 class ContinualFPS(FPS):
     """Continual FPS, the BeaconKV default: FPS applied to a bounded, refilled buffer.
 
@@ -244,6 +281,7 @@ class ContinualFPS(FPS):
     bounded: ClassVar[bool] = True
 
 
+@dataclass(frozen=True, repr=False)
 class NaiveFPS(FPS):
     """Naive FPS: FPS over the whole query history at each beacon freeze.
 
@@ -255,7 +293,7 @@ class NaiveFPS(FPS):
     bounded: ClassVar[bool] = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class KMeans(QuerySampler):
     """Spherical k-means over the query history, answered with the real query nearest each centroid.
 

@@ -2,7 +2,8 @@
 the cache, reductions over queries and GQA groups, and 1-D pooling along the cache.
 
 All functions work on a subset of the batch (``rows``) and return float32 tensors; none of them
-knows a particular policy.
+knows a particular policy. Shapes: ``b`` rows, ``kv`` KV heads, ``g`` query heads per KV head (the
+GQA group), ``n`` observed queries, ``c`` cache slots, ``d`` head width.
 """
 
 from __future__ import annotations
@@ -11,33 +12,25 @@ import math
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor
 
 from ..cache import LayerKVCache
-from .base import PolicyConfigError
-
-
-def ring_queries(cache: LayerKVCache, rows: Tensor, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Pre-RoPE queries of the cache's ring whose positions lie in ``(lo, hi]``.
-
-    Args:
-        cache: A layer cache with a query ring.
-        rows: ``(b,)`` batch indices.
-        lo: ``(b,)`` exclusive lower position bound.
-        hi: ``(b,)`` inclusive upper position bound.
-
-    Returns:
-        ``(queries (b, heads, R, head_dim), positions (b, R), mask (b, R))``.
-    """
-    q = cache.queries[rows]
-    qpos = cache.query_pos[rows]
-    mask = (qpos >= 0) & (qpos > lo[:, None]) & (qpos <= hi[:, None])
-    return q, qpos, mask
 
 
 def last_queries(cache: LayerKVCache, rows: Tensor, t: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The last ``window`` queries (positions ``t - window + 1 .. t``) from the ring; see :func:`ring_queries`."""
-    return ring_queries(cache, rows, t - window, t)
+    """The last ``window`` queries (positions ``t - window + 1 .. t``) from the cache's ring.
+
+    Returns:
+        ``(queries (b, heads, R, head_dim), positions (b, R), mask (b, R))``; see
+        :meth:`~beaconkv.cache.LayerKVCache.ring`.
+    """
+    return cache.ring(rows, t - window, t)
+
+
+def group_queries(q: Tensor, n_kv_heads: int) -> Tensor:
+    """``(b, heads, n, d)`` -> ``(b, kv, g, n, d)``: each KV head's GQA group of query heads."""
+    return rearrange(q, "b (kv g) n d -> b kv g n d", kv=n_kv_heads)
 
 
 def attention_probs(
@@ -64,17 +57,16 @@ def attention_probs(
     Returns:
         ``(b, kv_heads, group, n, C)`` float32 weights; rows of missing queries are all zero.
     """
-    b, H, n, D = q_rot.shape
-    Hkv = keys.shape[1]
-    qg = q_rot.float().view(b, Hkv, H // Hkv, n, D)  # (b, kv_heads, group, n, head_dim)
+    qg = group_queries(q_rot.float(), keys.shape[1])
     logits = torch.einsum("bkgnd,bkcd->bkgnc", qg, keys.float()) * scale
-    mask = key_mask[:, :, None, None, :]  # (b, kv_heads, 1, 1, C)
+    mask = rearrange(key_mask, "b kv c -> b kv 1 1 c")
     if q_pos is not None:
         assert key_pos is not None
-        mask = mask & (key_pos[:, :, None, None, :] <= q_pos[:, None, None, :, None])
+        sees = rearrange(key_pos, "b kv c -> b kv 1 1 c") <= rearrange(q_pos, "b n -> b 1 1 n 1")  # causal
+        mask = mask & sees
     logits = logits.masked_fill(~mask, -math.inf)
     w = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a query with no visible key -> zeros
-    return w * q_mask[:, None, None, :, None]
+    return w * rearrange(q_mask, "b n -> b 1 1 n 1")
 
 
 def reduce_queries(weights: Tensor, q_mask: Tensor, how: str, temperature: float = 1.0) -> Tensor:
@@ -86,7 +78,7 @@ def reduce_queries(weights: Tensor, q_mask: Tensor, how: str, temperature: float
         how: ``"max"``, ``"mean"``, ``"sum"`` or ``"logsumexp"`` (a smooth max with ``temperature``).
         temperature: Temperature of ``logsumexp``.
     """
-    m = q_mask[:, None, None, :, None]
+    m = rearrange(q_mask, "b n -> b 1 1 n 1")
     if how == "max":
         return weights.masked_fill(~m, -math.inf).amax(3).clamp(min=0.0)
     if how == "sum":
@@ -128,24 +120,12 @@ def pool_slots(scores: Tensor, kernel: int, mode: str = "avg") -> Tensor:
     """
     if kernel <= 1:
         return scores
-    b, h, C = scores.shape
-    x = scores.reshape(b * h, 1, C)
+    C = scores.shape[-1]
+    x = rearrange(scores, "b kv c -> (b kv) 1 c")
     if mode == "avg":
         y = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
     elif mode == "max":
         y = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
     else:
         raise ValueError(f"pool mode={mode!r} is unknown; use avg or max.")
-    return y[..., :C].reshape(b, h, C)
-
-
-def check_window_kernel(window: int, kernel: int) -> None:
-    """Validates an observation window (``>= 1`` queries) and an odd pooling kernel (``>= 1``).
-
-    Raises:
-        PolicyConfigError: ``window < 1``, or ``kernel`` even or ``< 1``.
-    """
-    if window < 1:
-        raise PolicyConfigError(f"window={window} must be >= 1 (the number of recent queries that score).")
-    if kernel < 1 or kernel % 2 == 0:
-        raise PolicyConfigError(f"kernel={kernel} must be an odd integer >= 1 (1 = no pooling).")
+    return rearrange(y[..., :C], "(b kv) 1 c -> b kv c", b=scores.shape[0])

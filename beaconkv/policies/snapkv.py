@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from torch import Tensor
 
 from ..cache import LayerKVCache
 from .scoring import attention_probs, pool_slots, reduce_group, reduce_queries
+from .state import PolicyState
 from .window import RecentWindowPolicy
 
 
+@dataclass
 class SnapKV(RecentWindowPolicy):
     """Decode-time SnapKV (Li et al., 2024), SPEC §5.
 
@@ -29,28 +33,23 @@ class SnapKV(RecentWindowPolicy):
         budget: ``B_max`` (see :class:`~beaconkv.policies.base.EvictionPolicy`).
         window: Observed recent queries (default 32).
         kernel: Odd pooling kernel (default 5).
-        **kwargs: ``n_prefix``, ``n_recent``, ``ratio``, ``telemetry`` of the base class.
+        n_prefix, n_recent, ratio, telemetry: Keyword-only, see the base class.
 
     Raises:
         PolicyConfigError: ``window < 1`` or ``kernel`` even or ``< 1``.
     """
 
-    name = "snapkv"
+    window: int = 32
+    kernel: int = 5
 
-    def __init__(self, budget: int | None, window: int = 32, kernel: int = 5, **kwargs) -> None:
-        super().__init__(budget, window, kernel, **kwargs)
+    name: ClassVar[str] = "snapkv"
 
-
-
-    def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
-        q_rot, qpos, q_mask = self.window_queries(cache, rows, t)  # each query at its own position
-        pos = cache.pos[rows]
+    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+        q_rot, qpos, q_mask = self.window_queries(state, cache, rows, t)  # each query at its own position
+        pos = cache.positions(rows)
         w = attention_probs(
-            q_rot, q_mask, cache.k[rows], pos >= 0, 1.0 / math.sqrt(cache.head_dim), q_pos=qpos, key_pos=pos
+            q_rot, q_mask, cache.keys(rows), pos >= 0, 1.0 / math.sqrt(cache.head_dim), q_pos=qpos, key_pos=pos
         )  # (b, kv_heads, group, n, capacity)
         per_head = reduce_queries(w, q_mask, "mean")  # (b, kv_heads, group, capacity)
         # the group mean and the average pooling are both linear: taking the mean first is the same
         return pool_slots(reduce_group(per_head, "mean"), self.kernel, "avg")
-
-    def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}, window={self.window}, kernel={self.kernel})"

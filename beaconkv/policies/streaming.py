@@ -6,14 +6,19 @@ Observes nothing: the score of a slot is its position (newer = higher) and the s
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from ..cache import LayerKVCache
-from .base import EvictionPolicy, PolicyConfigError
+from .base import EvictionPolicy
+from .config import PolicyConfigError, check_int
+from .state import PolicyState
 
 
+@dataclass
 class StreamingLLM(EvictionPolicy):
     """Attention sinks + sliding window (Xiao et al., 2023).
 
@@ -28,31 +33,28 @@ class StreamingLLM(EvictionPolicy):
     Args:
         budget: ``B_max`` (see :class:`~beaconkv.policies.base.EvictionPolicy`).
         n_sink: Sink tokens kept after the prefix (default 4).
-        **kwargs: ``n_prefix``, ``n_recent``, ``ratio``, ``telemetry`` of the base class.
+        n_prefix, n_recent, ratio, telemetry: Keyword-only, see the base class.
 
     Raises:
         PolicyConfigError: ``n_sink < 0``, or ``n_sink + n_recent > B_min`` (the sinks would crowd out
             the recent window).
     """
 
-    name = "streaming"
+    n_sink: int = 4
 
-    def __init__(self, budget: int | None, n_sink: int = 4, **kwargs) -> None:
-        super().__init__(budget, **kwargs)
-        if n_sink < 0:
-            raise PolicyConfigError(f"n_sink={n_sink} must be >= 0 (default 4).")
-        if self.b_min is not None and n_sink + self.n_recent > self.b_min:
+    name: ClassVar[str] = "streaming"
+
+    def validate(self) -> None:
+        super().validate()
+        check_int("n_sink", self.n_sink, 0, hint="(default 4)")
+        if self.b_min is not None and self.n_sink + self.n_recent > self.b_min:
             raise PolicyConfigError(
-                f"n_sink={n_sink} + n_recent={self.n_recent} exceeds B_min={self.b_min} (budget={budget}); "
+                f"n_sink={self.n_sink} + n_recent={self.n_recent} exceeds B_min={self.b_min} (budget={self.budget}); "
                 f"use n_sink <= {max(self.b_min - self.n_recent, 0)} or a larger budget."
             )
-        self.n_sink = n_sink
 
-    def score(self, layer: int, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
-        pos = cache.pos[rows]  # (b, kv_heads, capacity)
-        n_prefix = torch.tensor(self.prefix, device=pos.device)[rows][:, None, None]
+    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+        pos = cache.positions(rows)  # (b, kv_heads, capacity)
+        n_prefix = state.prefix_dev[rows][:, None, None]
         sink = (pos >= n_prefix) & (pos < n_prefix + self.n_sink)
         return torch.where(sink, math.inf, pos.float())
-
-    def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}, n_sink={self.n_sink})"

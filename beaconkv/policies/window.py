@@ -8,13 +8,19 @@ size it needs and the rotated window queries.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from torch import Tensor
 
 from ..cache import LayerKVCache
 from .base import EvictionPolicy
-from .scoring import check_window_kernel, last_queries
+from .config import PolicyConfigError, check_int
+from .scoring import last_queries
+from .state import PolicyState
 
 
+@dataclass
 class RecentWindowPolicy(EvictionPolicy):
     """An eviction policy that scores with the last ``window`` queries (SPEC §5's recent-query family).
 
@@ -22,30 +28,35 @@ class RecentWindowPolicy(EvictionPolicy):
         budget: ``B_max`` (see :class:`~beaconkv.policies.base.EvictionPolicy`).
         window: Observed recent queries.
         kernel: Odd pooling kernel along the cache axis (1 = no pooling).
-        **kwargs: ``n_prefix``, ``n_recent``, ``ratio``, ``telemetry`` of the base class.
+        n_prefix, n_recent, ratio, telemetry: Keyword-only, see the base class.
 
     Raises:
         PolicyConfigError: ``window < 1`` or ``kernel`` even or ``< 1``.
     """
 
-    def __init__(self, budget: int | None, window: int, kernel: int, **kwargs) -> None:
-        super().__init__(budget, **kwargs)
-        check_window_kernel(window, kernel)
-        self.window, self.kernel = window, kernel
+    window: int = 32
+    kernel: int = 5
 
-    @property
-    def query_window(self) -> int:
+    def validate(self) -> None:
+        super().validate()
+        check_int("window", self.window, 1, hint="(the number of recent queries that score)")
+        check_int("kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise PolicyConfigError(f"kernel={self.kernel} must be an odd integer >= 1 (1 = no pooling).")
+
+    def query_window(self, max_tokens: int) -> int:
         return self.window
 
-    def observed_positions(self, layer: int, rows: Tensor, t: Tensor) -> Tensor:
-        _, qpos, mask = last_queries(self.cache[layer], rows, t, self.window)
+    def observed_positions(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor,
+                           t: Tensor) -> Tensor:
+        _, qpos, mask = last_queries(cache, rows, t, self.window)
         return qpos.masked_fill(~mask, -1).cpu()
 
-    def window_queries(self, cache: LayerKVCache, rows: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def window_queries(self, state: PolicyState, cache: LayerKVCache, rows: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The last ``window`` queries, each rotated to its own position.
 
         Returns:
             ``(q_rot (b, heads, R, head_dim), positions (b, R), mask (b, R))``.
         """
         q, qpos, q_mask = last_queries(cache, rows, t, self.window)
-        return self.rope.rotate(q, qpos.clamp(min=0)), qpos, q_mask
+        return state.rope.rotate(q, qpos.clamp(min=0)), qpos, q_mask

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from beaconkv.eval.datasets import CodeTest, Problem
 from beaconkv.eval.grading import grade_choice
-from beaconkv.eval.prompts import MATH_INSTRUCTION, build_prompt, render_chat, shuffle_choices
+from beaconkv.eval.prompts import (
+    MATH_INSTRUCTION,
+    build_prompt,
+    render_chat,
+    shuffle_choices,
+)
 
 GPQA = Problem(
     "gpqa_diamond", "rec7", "Which particle?", answer="muon", choices=("muon", "pion", "kaon", "tau")

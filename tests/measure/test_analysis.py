@@ -17,7 +17,8 @@ from beaconkv.measure.analysis import (
     parse_window,
     run_analyze,
 )
-from beaconkv.measure.fidelity import FidelityError, GlobalQueryRule, PolicySpec, Trace
+from beaconkv.measure.fidelity import FidelityError, GlobalQueryRule, Trace
+from beaconkv.policies import make_policy
 
 
 def test_distance_bins_are_log2():
@@ -46,7 +47,7 @@ def test_analysis_records_every_query_and_the_beacons_held(llama):
     prompt = torch.randint(3, 97, (12,), generator=g).tolist()
     output = torch.randint(3, 97, (48,), generator=g).tolist()
     trace = Trace("t", prompt, output)
-    spec = PolicySpec("beacon", 16, (("n_beacon", 2), ("n_recent", 2)))
+    spec = make_policy("beacon", 16, n_beacon=2, n_recent=2)
     a = analyze_trace(llama, trace, 48, GlobalQueryRule(top_k=4, threshold=6.0), spec, progress=False)
     cfg = llama.config
     shape = (48, cfg.num_hidden_layers, cfg.num_attention_heads)
@@ -85,8 +86,9 @@ def test_analyze_cli_runs_end_to_end_on_a_short_real_trace(tmp_path, capsys):
 
 
 def test_analyze_cli_reports_bad_values(tmp_path, capsys):
-    parser = add_analyze_arguments(argparse.ArgumentParser())
-    assert run_analyze(parser.parse_args(["--tokens", "40", "--layer", "99", "--out", str(tmp_path)])) == 2
-    assert "--layer=99" in capsys.readouterr().err
-    assert run_analyze(parser.parse_args(["--low-sim-quantile", "0", "--out", str(tmp_path)])) == 2
-    assert "--low-sim-quantile=0" in capsys.readouterr().err
+    from beaconkv.cli import main
+
+    assert main(["analyze", "--tokens", "40", "--layer", "99", "--out", str(tmp_path)]) == 2
+    assert "beaconkv analyze: error: --layer=99" in capsys.readouterr().err
+    assert main(["analyze", "--low-sim-quantile", "0", "--out", str(tmp_path)]) == 2
+    assert "beaconkv analyze: error: --low-sim-quantile=0" in capsys.readouterr().err

@@ -10,22 +10,22 @@ import pytest
 import torch
 
 import beaconkv
+from beaconkv.cli import main
 from beaconkv.measure.fidelity import (
     FidelityError,
     GlobalQueryRule,
     LockStep,
-    PolicySpec,
+    Run,
     Trace,
-    add_fidelity_arguments,
     attention_distance,
     auto_n_recent,
     forced_tokens,
     held_attention_mass,
     kl_divergence,
     measure_fidelity,
-    policy_specs,
-    run_fidelity,
+    study_runs,
 )
+from beaconkv.measure.fidelity.cli import add_fidelity_arguments, run_fidelity
 from beaconkv.policies import make_policy
 
 # ------------------------------------------------------------------------------ metrics
@@ -86,17 +86,17 @@ def test_bad_settings_name_the_value():
     with pytest.raises(FidelityError, match="threshold=-1"):
         GlobalQueryRule(threshold=-1)
     with pytest.raises(FidelityError, match="n_recent"):
-        policy_specs(["beacon"], [64], n_recent=16)
+        study_runs(["beacon"], [64], n_recent=16)
     with pytest.raises(FidelityError, match="nope"):
-        policy_specs(["nope"], [64])
+        study_runs(["nope"], [64])
     with pytest.raises(FidelityError, match="only 3 output tokens"):
         forced_tokens([Trace("t", [1, 2], [5, 6, 7])], 4)
 
 
 def test_auto_n_recent_scales_small_budgets():
     assert [auto_n_recent(b) for b in (64, 96, 128, 256, 512)] == [8, 12, 16, 16, 16]
-    specs = policy_specs(["beacon", "snapkv", "full"], [64, 128])
-    assert [(s.name, s.budget, s.get("n_recent"), s.get("n_beacon")) for s in specs] == [
+    runs = study_runs(["beacon", "snapkv", "full"], [64, 128])
+    assert [(r.name, r.policy.budget, r.policy.n_recent, getattr(r.policy, "n_beacon", None)) for r in runs] == [
         ("beacon", 64, 8, 8), ("beacon", 128, 16, 16), ("snapkv", 64, 8, None), ("snapkv", 128, 16, None)]
 
 
@@ -148,16 +148,16 @@ def test_stacked_runs_equal_one_decode_step_call_per_run(llama):
         for hx, hy in zip(x.held_pos, y.held_pos):
             assert torch.equal(hx, hy)
         evicted |= any(bool((h < 0).any()) for h in x.held_pos)
-    assert all(sum(p.stats.evictions) > 0 for p in a.policies[1:])
-    assert [p.stats.evictions for p in a.policies] == [p.stats.evictions for p in b.policies]
+    assert all(sum(s.state.stats.evictions) > 0 for s in a.sessions[1:])
+    assert [s.state.stats.evictions for s in a.sessions] == [s.state.stats.evictions for s in b.sessions]
 
 
 def test_a_policy_that_keeps_everything_has_kl_zero_and_recall_one(llama):
     prompts, tokens = _streams(24)
     traces = [Trace(f"t{b}", p, tokens[b].tolist()) for b, p in enumerate(prompts)]
-    specs = [PolicySpec("full", 10**6), PolicySpec("beacon", 10**4, (("n_beacon", 2), ("n_recent", 2))),
-             PolicySpec("streaming", 8, (("n_recent", 1), ("n_sink", 1)))]
-    rows = measure_fidelity(llama, traces, specs, 24, GlobalQueryRule(top_k=4, threshold=5.0), progress=False)
+    runs = [Run("full", make_policy("full")), Run("beacon", make_policy("beacon", 10**4, n_beacon=2, n_recent=2)),
+            Run("streaming", make_policy("streaming", 8, n_recent=1, n_sink=1))]
+    rows = measure_fidelity(llama, traces, runs, 24, GlobalQueryRule(top_k=4, threshold=5.0), progress=False)
     pooled = {r.policy: r for r in rows if r.trace == "all"}
     for name in ("full", "beacon"):  # beacon's budget is never reached
         r = pooled[name]
@@ -193,10 +193,10 @@ def test_cli_runs_end_to_end_on_short_real_traces(tmp_path, capsys):
 
 
 def test_cli_reports_bad_values(tmp_path, capsys):
-    parser = add_fidelity_arguments(argparse.ArgumentParser())
-    args = parser.parse_args(["--budgets", "64", "--n-recent", "16", "--out", str(tmp_path)])
-    assert run_fidelity(args) == 2
-    assert "budget=64" in capsys.readouterr().err
-    args = parser.parse_args(["--trace-ids", "nope", "--out", str(tmp_path)])
-    assert run_fidelity(args) == 2
+    out = tmp_path / "never"
+    assert main(["fidelity", "--budgets", "64", "--n-recent", "16", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("beaconkv fidelity: error:") and "budget=64" in err and len(err.splitlines()) == 1
+    assert main(["fidelity", "--trace-ids", "nope", "--out", str(out)]) == 2
     assert "trace id(s) ['nope'] not found" in capsys.readouterr().err
+    assert not out.exists()  # no empty output folder

@@ -3,6 +3,7 @@ memory and targets. Nothing here asserts on a timing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -11,22 +12,22 @@ import torch
 
 import beaconkv
 from beaconkv.cli import build_parser
-from beaconkv.measure.speed import (
+from beaconkv.measure.speed.cli import run_bench
+from beaconkv.measure.speed.machine import (
     PeakMemory,
-    StepRecorder,
-    ThroughputRow,
-    evaluate_targets,
     kv_bytes_per_token,
-    run_bench,
     weight_bytes_per_step,
 )
-from beaconkv.measure.table4 import (
-    smaller_batch,
+from beaconkv.measure.speed.table4 import (
     markdown_table4,
     measure_table4,
     qwen3_4b_config,
-    random_model,
+    smaller_batch,
 )
+from beaconkv.measure.speed.targets import evaluate_targets
+from beaconkv.measure.speed.throughput import ThroughputRow
+from beaconkv.measure.speed.timing import StepRecorder
+from beaconkv.models.random_weights import random_model
 from beaconkv.policies import BeaconKV
 
 
@@ -38,7 +39,7 @@ def llama(tiny_models):
 def test_quick_bench_runs_end_to_end(tiny_models, tmp_path):
     argv = ["bench", "--quick", "--model", str(tiny_models["llama"][0]), "--threads", "1", "--compile-backend",
             "aot_eager", "--no-transformers-compile", "--out", str(tmp_path)]
-    args = build_parser(load={"bench"}).parse_args(argv)
+    args = build_parser().parse_args(argv)
     assert run_bench(args) == 0
     res = json.loads((tmp_path / "bench.json").read_text())
     impls = {r["impl"] for r in res["throughput"]}
@@ -74,10 +75,10 @@ def test_peak_memory_sees_an_allocation():
 
 def test_step_recorder_windows(llama):
     policy = BeaconKV(128)
-    rec = StepRecorder(policy, torch.device("cpu"))
-    out = beaconkv.generate(llama, None, [[5, 6, 7]], max_new_tokens=150, eos_token_ids=[], policy=policy)
-    rec.close()
-    assert "after_decode_step" not in vars(policy)
+    rec = StepRecorder(torch.device("cpu"))
+    out = beaconkv.generate(llama, None, [[5, 6, 7]], max_new_tokens=150, eos_token_ids=[], policy=policy,
+                            on_step=rec)
+    assert set(vars(policy)) == {f.name for f in dataclasses.fields(BeaconKV)}  # nothing patched onto the policy
     assert len(rec.ends) == out.stats.decode_steps == 149
     durations, evictions, policy_s = rec.window(127)  # the hook of step 127 holds the first eviction
     assert len(durations) == len(evictions) == len(policy_s) == 149 - 127

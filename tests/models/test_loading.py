@@ -10,8 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import beaconkv
-from beaconkv.models import CheckpointError, ModelConfig, UnsupportedModelError
-from beaconkv.models import loading
+from beaconkv.models import CheckpointError, ModelConfig, UnsupportedModelError, loading
 
 from ..conftest import save_tiny_model
 

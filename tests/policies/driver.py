@@ -1,4 +1,4 @@
-"""Drives a real cache + policy with random tensors, checking the cache invariants after every step."""
+"""Drives a real cache + policy state with random tensors, checking the cache invariants after every step."""
 
 from __future__ import annotations
 
@@ -7,6 +7,14 @@ import torch
 from beaconkv.cache import KVCache
 from beaconkv.models.rope import RotaryEmbedding
 from beaconkv.policies.base import EvictionPolicy
+from beaconkv.policies.state import PolicyState
+
+
+def bind(policy: EvictionPolicy, cache: KVCache, rope, prompt_lengths: list[int]) -> PolicyState:
+    """The policy's state over ``cache`` with every row admitted for prompts of these lengths."""
+    state = policy.create_state(cache, rope)
+    policy.admit(state, list(range(len(prompt_lengths))), list(prompt_lengths))
+    return state
 
 
 def drive(
@@ -19,20 +27,26 @@ def drive(
     n_layers: int = 2,
     seed: int = 0,
     on_step=None,
-) -> KVCache:
+    storage: str = "dense",
+) -> tuple[KVCache, PolicyState]:
     """Prefills random prompts, runs ``steps`` decode writes, asserts the invariants throughout.
 
     Invariants checked after prefill and every step, for every layer, sequence and KV head:
     the cache holds at most ``n_prefix + budget`` tokens; positions strictly increase; every kept
-    K/V vector is bit-identical to the one written at that position; after each eviction the cache
-    holds exactly ``n_prefix + B_min`` and the prefix and the last ``n_recent`` positions survive.
+    K/V vector is bit-identical to the one written at that position (dense storage; int8 storage:
+    identical to its own quantisation of it); after each eviction the cache holds exactly
+    ``n_prefix + B_min`` and the prefix and the last ``n_recent`` positions survive.
+
+    Returns:
+        The cache and the policy's state; ``on_step(step, state)`` is called after every step.
     """
     g = torch.Generator().manual_seed(seed)
     B, H, D = len(prompt_lengths), n_kv * group, head_dim
     cap = policy.capacity(prompt_lengths, steps)
-    cache = KVCache.allocate(n_layers, B, n_kv, H, cap, D, query_window=policy.query_window,
-                             track_attention=policy.track_attention)
-    policy.start(cache, RotaryEmbedding(D), prompt_lengths)
+    window = policy.query_window(max(prompt_lengths) + steps)
+    cache = KVCache.allocate(n_layers, B, n_kv, H, cap, D, query_window=window,
+                             track_attention=policy.track_attention, storage=storage)
+    state = bind(policy, cache, RotaryEmbedding(D), prompt_lengths)
     L = max(prompt_lengths)
     valid = torch.arange(L)[None] < torch.tensor(prompt_lengths)[:, None]
     positions = torch.arange(L).expand(B, L)
@@ -45,44 +59,56 @@ def drive(
         wv = torch.zeros(B, n_kv, L + steps, D)
         wk[:, :, :L], wv[:, :, :L] = k, v
         written.append((wk, wv))
-    policy.after_prefill()
-    check(policy, cache, written, evicted=[e > 0 for e in policy.stats.evictions])
+    policy.after_prefill(state, list(range(B)))
+    check(policy, state, written, evicted=[e > 0 for e in state.stats.evictions])
     for s in range(steps):
-        before = list(policy.stats.evictions)
+        before = list(state.stats.evictions)
         pos = torch.tensor(prompt_lengths) + s
         for i, layer in enumerate(cache.layers):
             k, v = torch.randn(B, n_kv, 1, D, generator=g), torch.randn(B, n_kv, 1, D, generator=g)
             layer.append(k, v, torch.randn(B, H, 1, D, generator=g), pos)
             if layer.track_attention:
                 logits = torch.randn(B, n_kv, group, cap, generator=g).masked_fill(~(layer.pos >= 0)[:, :, None], -1e9)
-                layer.record_attention(logits.softmax(-1))
+                layer.attention_hook(logits.softmax(-1))
             wk, wv = written[i]
             wk[torch.arange(B), :, pos] = k[:, :, 0]
             wv[torch.arange(B), :, pos] = v[:, :, 0]
-        policy.after_decode_step()
-        check(policy, cache, written, evicted=[a != b for a, b in zip(policy.stats.evictions, before)])
+        policy.after_decode_step(state)
+        check(policy, state, written, evicted=[a != b for a, b in zip(state.stats.evictions, before)])
         if on_step is not None:
-            on_step(s)
-    return cache
+            on_step(s, state)
+    return cache, state
 
 
-def check(policy: EvictionPolicy, cache: KVCache, written, evicted: list[bool]) -> None:
+def _stored(x: torch.Tensor, storage: str) -> torch.Tensor:
+    """What a storage gives back for vectors written as ``x`` (int8: its own quantise-dequantise)."""
+    if storage == "dense":
+        return x
+    from beaconkv.storage.int8 import dequantize, quantize
+
+    return dequantize(*quantize(x), x.dtype)
+
+
+def check(policy: EvictionPolicy, state: PolicyState, written, evicted: list[bool]) -> None:
     """Asserts the cache invariants (see :func:`drive`)."""
+    cache = state.cache
     for i, layer in enumerate(cache.layers):
         wk, wv = written[i]
+        storage = layer.storage.kind
+        keys, values = layer.keys(), layer.values()
         for b in range(layer.batch):
             n = int(layer.length[b])
-            prefix = policy.prefix[b]
+            prefix = state.prefix[b]
             if policy.budget is not None:
                 assert n <= prefix + policy.budget, f"layer {i} seq {b}: {n} > {prefix}+{policy.budget}"
-            t = policy.t[b]
+            t = state.t[b]
             for h in range(layer.n_kv_heads):
                 pos = layer.pos[b, h]
                 kept = pos[:n]
                 assert (kept >= 0).all() and (pos[n:] == -1).all()
                 assert (kept[1:] > kept[:-1]).all(), "positions must strictly increase"
-                assert torch.equal(layer.k[b, h, :n], wk[b, h, kept]), "kept keys must be bit-identical"
-                assert torch.equal(layer.v[b, h, :n], wv[b, h, kept]), "kept values must be bit-identical"
+                assert torch.equal(keys[b, h, :n], _stored(wk[b, h, kept], storage)), "kept keys must be unchanged"
+                assert torch.equal(values[b, h, :n], _stored(wv[b, h, kept], storage)), "kept values must be unchanged"
                 if evicted[b]:
                     assert n == prefix + policy.b_min, f"after eviction {n} != {prefix}+{policy.b_min}"
                     must = set(range(prefix)) | set(range(max(t - policy.n_recent + 1, 0), t + 1))

@@ -16,12 +16,14 @@ import torch
 import beaconkv
 from beaconkv.cache import KVCache, LayerKVCache
 from beaconkv.models.rope import RotaryEmbedding
-from beaconkv.policies.base import PolicyConfigError
+from beaconkv.policies.config import PolicyConfigError
 from beaconkv.policies.h2o import ACC, H2O
 from beaconkv.policies.rkv import RKV
 from beaconkv.policies.rpc import RPC
 from beaconkv.policies.snapkv import SnapKV
 from beaconkv.policies.streaming import StreamingLLM
+
+from .driver import bind
 
 D, N_KV, HEADS, CAP, RING = 4, 2, 4, 12, 6
 GROUP = HEADS // N_KV
@@ -46,10 +48,12 @@ def one_thread():
 # ---------------------------------------------------------------- hand-built cache
 def hand_cache(policy, seed=0) -> tuple[LayerKVCache, torch.Tensor, torch.Tensor]:
     """A bound one-layer cache with random keys (junk in empty slots too) and a query ring larger than
-    any test window (stale ring entries must be filtered by position)."""
+    any test window (stale ring entries must be filtered by position). The policy's state is
+    ``layer.state`` (set here for the tests)."""
     g = torch.Generator().manual_seed(seed)
-    layer = LayerKVCache(2, N_KV, HEADS, CAP, D, query_window=RING, track_attention=policy.track_attention)
-    policy.start(KVCache([layer]), RotaryEmbedding(D), PROMPTS)
+    cache = KVCache.allocate(1, 2, N_KV, HEADS, CAP, D, query_window=RING, track_attention=policy.track_attention)
+    layer = cache[0]
+    layer.state = bind(policy, cache, RotaryEmbedding(D), PROMPTS)
     layer.k.copy_(torch.randn(layer.k.shape, generator=g))
     layer.queries.copy_(torch.randn(layer.queries.shape, generator=g))
     layer.pos.fill_(-1)
@@ -107,7 +111,7 @@ def attention_ref(layer, b, h_q, q, visible) -> dict[int, float]:
 
 
 def check_rows(policy, layer, rows, t, ref_fn, atol=1e-6):
-    got = policy.score(0, layer, rows, t)
+    got = policy.score(layer.state, layer.state.layers[0], layer, rows, t)
     assert got.shape == (len(rows), N_KV, CAP)
     for i, b in enumerate(rows.tolist()):
         for kv in range(N_KV):
@@ -136,7 +140,7 @@ def test_h2o_hook_accumulates_group_sums_and_score_protects_recent():
     g = torch.Generator().manual_seed(1)
     steps = [torch.rand(2, N_KV, GROUP, CAP, generator=g) for _ in range(3)]
     for w in steps:
-        layer.record_attention(w)
+        layer.attention_hook(w)
     total = sum(w.double() for w in steps)
 
     def ref(layer, b, kv, t):
@@ -165,7 +169,7 @@ def test_snapkv_score_matches_loop_reference():
         return pool_ref(raw, 5, "avg")
 
     check_rows(policy, layer, rows, t, ref)
-    observed = policy.observed_positions(0, rows, t)  # (rows, ring): the window, -1 for stale entries
+    observed = policy.observed_positions(layer.state, None, layer, rows, t)  # (rows, ring): -1 for stale entries
     for i, b in enumerate(rows.tolist()):
         assert sorted(observed[i][observed[i] >= 0].tolist()) == list(range(T[b] - 3, T[b] + 1))
         assert int((observed[i] == -1).sum()) == RING - 4
@@ -255,11 +259,13 @@ class IdentityRope:
 
 def drive_hand(policy, prompt, keys_at, steps, n_kv=2, head_dim=8, attention=None):
     """Writes ``prompt`` tokens and ``steps`` decode tokens with keys ``keys_at(p, kv)`` and every query
-    ``e0``; ``attention(layer, step)`` may report decode attention. Returns the layer."""
+    ``e0``; ``attention(layer, step)`` may report decode attention. Returns the layer (its policy
+    state as ``layer.state``)."""
     cap = policy.capacity([prompt], steps)
-    layer = LayerKVCache(1, n_kv, n_kv, cap, head_dim, query_window=policy.query_window,
-                         track_attention=policy.track_attention)
-    policy.start(KVCache([layer]), IdentityRope(), [prompt])
+    cache = KVCache.allocate(1, 1, n_kv, n_kv, cap, head_dim, query_window=policy.query_window(prompt + steps),
+                             track_attention=policy.track_attention)
+    layer = cache[0]
+    layer.state = state = bind(policy, cache, IdentityRope(), [prompt])
     e0 = torch.eye(head_dim)[0]
 
     def kv(ps):
@@ -268,13 +274,13 @@ def drive_hand(policy, prompt, keys_at, steps, n_kv=2, head_dim=8, attention=Non
     ps = list(range(prompt))
     q = e0.expand(1, n_kv, prompt, head_dim)
     layer.write_prefill(kv(ps), kv(ps), q, torch.tensor([ps]), torch.ones(1, prompt, dtype=torch.bool))
-    policy.after_prefill()
+    policy.after_prefill(state, [0])
     for s in range(steps):
         p = prompt + s
         layer.append(kv([p]), kv([p]), e0.expand(1, n_kv, 1, head_dim), torch.tensor([p]))
         if attention is not None:
             attention(layer, s)
-        policy.after_decode_step()
+        policy.after_decode_step(state)
     return layer
 
 
@@ -301,7 +307,7 @@ def test_attention_policies_evict_the_unattended_keys(make):
     # prefix 2; positions 2..17 fill B_max=16 at t=17 -> keep B_min=14: recent {16, 17} + 12 of 2..15
     policy = make()
     layer = drive_hand(policy, 2, dull_keys({0: {5, 9}, 1: {3, 12}}), steps=16)
-    assert policy.stats.evictions == [1]
+    assert layer.state.stats.evictions == [1]
     assert kept(layer, 0) == [p for p in range(18) if p not in (5, 9)]
     assert kept(layer, 1) == [p for p in range(18) if p not in (3, 12)]
 
@@ -319,7 +325,7 @@ def test_rkv_evicts_the_older_duplicates():
 def test_streaming_keeps_sinks_and_the_most_recent():
     policy = StreamingLLM(8, n_sink=2, n_recent=1)  # B_min 7: sinks 3, 4 + the 5 newest
     layer = drive_hand(policy, 3, lambda p, h: torch.zeros(8), steps=8)
-    assert policy.stats.evictions == [1]
+    assert layer.state.stats.evictions == [1]
     assert kept(layer, 0) == kept(layer, 1) == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
 
 
@@ -335,12 +341,12 @@ def test_h2o_keeps_heavy_hitters_and_recent_and_moves_the_buffer():
             for h in range(2):
                 for slot in range(2, 7):
                     w[0, h, 0, slot] = 0.01 if slot == light[h] else 0.1 + 0.01 * slot
-            layer.record_attention(w)
+            layer.attention_hook(w)
             before.update({(h, int(p)): float(a) for h in range(2)
                            for p, a in zip(layer.pos[0, h], layer.slot_buffers[ACC][0, h]) if p >= 0})
 
     layer = drive_hand(policy, 2, lambda p, h: torch.zeros(8), steps=8, attention=attention)
-    assert policy.n_recent_h2o == 3 and policy.stats.evictions == [1]
+    assert policy.n_recent_h2o == 3 and layer.state.stats.evictions == [1]
     for h in range(2):
         assert kept(layer, h) == [p for p in range(10) if p != light[h]]
         moved = layer.slot_buffers[ACC][0, h, : len(kept(layer, h))].tolist()
@@ -359,7 +365,7 @@ def test_rpc_cadence_compacts_only_the_newest_period_or_reselects():
                      reselect=reselect)
         cap = policy.capacity([2], 14)
         layer = drive_hand(policy, 2, dull_keys({0: dull, 1: dull}), steps=14)
-        assert policy.stats.evictions == [2]
+        assert layer.state.stats.evictions == [2]
         assert int(layer.length[0]) == 2 + 4 + 4 + 2 and cap == 2 + 4 + 8
         results[reselect] = kept(layer, 0)
     assert results[False] == [0, 1, 2, 4, 6, 7, 8, 9, 11, 13, 14, 15]
@@ -371,18 +377,18 @@ def test_rpc_cadence_capacity_is_the_peak_of_the_schedule(n_prefix):
     policy = RPC(None, window=4, n_recent=2, cadence="rpc", period=16, compression=4, n_prefix=n_prefix)
     for prompt, steps in [(3, 0), (3, 15), (3, 16), (3, 100), (40, 57), (16, 5)]:
         cap = policy.capacity([prompt], steps)
-        drive_hand(policy, prompt, lambda p, h: torch.randn(8), steps=steps)
-        assert policy.peak_tokens == cap  # exact: the cache is never too small, nor larger than needed
+        layer = drive_hand(policy, prompt, lambda p, h: torch.randn(8), steps=steps)
+        assert layer.state.peak_tokens == cap  # exact: the cache is never too small, nor larger than needed
 
 
 def test_rkv_cadence_evicts_back_to_the_budget_every_buffer_tokens():
     policy = RKV(8, window=2, n_recent=1, cadence="rkv", buffer=4)
     counts = []
     cap = policy.capacity([2], 30)
-    policy.after_count_change = lambda rows: counts.append(policy.count[0])
-    drive_hand(policy, 2, lambda p, h: torch.randn(8), steps=30)
-    assert cap == policy.peak_tokens == 2 + 8 + 4
-    assert policy.stats.evictions == [(30 - 12) // 4 + 1]
+    policy.after_count_change = lambda state, rows: counts.append(state.count[0])  # an instance override
+    layer = drive_hand(policy, 2, lambda p, h: torch.randn(8), steps=30)
+    assert cap == layer.state.peak_tokens == 2 + 8 + 4
+    assert layer.state.stats.evictions == [(30 - 12) // 4 + 1]
     assert counts[11:18] == [11, 8, 9, 10, 11, 8, 9]  # counts[s]: after the s-th write (0: the prefill)
 
 
@@ -421,7 +427,7 @@ def test_h2o_buffer_equals_attention_recomputed_by_transformers(llama, tiny_mode
     ids = torch.tensor([prompt + out.token_ids[0][:-1]])  # the last sampled token is never fed back
     with torch.no_grad():
         attn = hf(ids, output_attentions=True).attentions  # per layer (1, heads, L, L)
-    for i, layer in enumerate(out.policy.cache.layers):
+    for i, layer in enumerate(out.policy_state.cache.layers):
         decode_rows = attn[i][0, :, len(prompt):, :]  # (heads, steps, L): the decode queries
         want = decode_rows.sum(1).view(layer.n_kv_heads, -1, ids.shape[1]).sum(1)  # (kv_heads, L)
         got = layer.slot_buffers[ACC][0, :, : ids.shape[1]]
@@ -443,17 +449,15 @@ def test_generation_stays_in_budget_and_ragged_batch_equals_single_runs(llama, n
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (20, 13, 27)]
     policy = BUDGET_POLICIES[name]()
     assert policy.name == name
-    step_check = policy.after_decode_step
 
-    def checked_step():
-        step_check()
-        for layer in policy.cache.layers:
+    def checked_step(step, session):
+        for layer in session.cache.layers:
             lengths = layer.length.tolist()
-            assert all(n <= p + 128 for n, p in zip(lengths, policy.prefix))
+            assert all(n <= p + 128 for n, p in zip(lengths, session.state.prefix))
             assert torch.equal((layer.pos >= 0).sum(-1), layer.length[:, None].expand(-1, layer.n_kv_heads))
 
-    policy.after_decode_step = checked_step
-    batch = beaconkv.generate(llama, None, prompts, max_new_tokens=200, eos_token_ids=[], policy=policy)
+    batch = beaconkv.generate(llama, None, prompts, max_new_tokens=200, eos_token_ids=[], policy=policy,
+                              on_step=checked_step)
     assert batch.stats.evictions == [5, 5, 5]  # 199 writes: 128, then every 16
     assert batch.stats.cache_capacity == 27 + 128
     singles = [beaconkv.generate(llama, None, [p], max_new_tokens=200, eos_token_ids=[],

@@ -10,38 +10,51 @@ import torch
 import beaconkv
 from beaconkv.cache import KVCache
 from beaconkv.models.rope import RotaryEmbedding
-from beaconkv.policies import BeaconKV, FullKV, InitialRecent, PolicyConfigError, make_policy
+from beaconkv.policies import (
+    BeaconKV,
+    FullKV,
+    InitialRecent,
+    PolicyConfigError,
+    make_policy,
+)
 from beaconkv.policies.beacon import QuerySet
 from beaconkv.policies.samplers import farthest_point_sampling
 
-from .driver import drive
+from .driver import bind, drive
 
 
 def test_freeze_happens_when_evictable_count_reaches_budget_minus_recent():
     policy = BeaconKV(budget=64, n_beacon=4, n_recent=8)
     phases = []
-    drive(policy, [10], steps=70, on_step=lambda s: phases.append((policy.count[0], policy.phase[0])))
+    _, state = drive(policy, [10], steps=70, on_step=lambda s, st: phases.append((st.count[0], st.phase[0])))
     # count after step s is s + 1 (whole prompt protected); freeze at 64 - 8 = 56; evict at 64 -> 56 = B_min
     first_frozen = next(c for c, ph in phases if ph == "frozen")
     assert first_frozen == 56
     assert all(ph == "accumulate" for c, ph in phases[:55])
     # budget - B_min == n_recent: after the eviction the count is 56 again and the freeze is immediate
-    assert phases[63] == (56, "frozen") and policy.stats.evictions == [1]
+    assert phases[63] == (56, "frozen") and state.stats.evictions == [1]
 
 
 def test_budget_128_freezes_immediately_after_each_eviction():
     policy = BeaconKV(budget=128)  # B_min = 112 = 128 - 16
     seen = []
-    drive(policy, [4], steps=150, n_layers=1, on_step=lambda s: seen.append((policy.count[0], policy.phase[0])))
+    drive(policy, [4], steps=150, n_layers=1, on_step=lambda s, st: seen.append((st.count[0], st.phase[0])))
     after_evict = seen[127]
     assert after_evict == (112, "frozen")
 
 
 def _bound_policy(policy, batch=1, n_kv=1, group=2, cap=16, D=4, window=None):
-    cache = KVCache.allocate(1, batch, n_kv, n_kv * group, cap, D, query_window=window or policy.query_window)
+    """A one-layer cache bound to the policy; its state is ``cache.state``."""
+    cache = KVCache.allocate(1, batch, n_kv, n_kv * group, cap, D, query_window=window or policy.query_window(cap))
     rope = RotaryEmbedding(D)
-    policy.start(cache, rope, [cap // 2] * batch)
+    cache.state = bind(policy, cache, rope, [cap // 2] * batch)
     return cache, rope
+
+
+def _set_recent(state, t, recent_since):
+    """Places row 0 at newest position ``t`` with recent queries after ``recent_since`` (host and device)."""
+    state.t[0], state.recent_since[0] = t, recent_since
+    state.t_dev[0], state.recent_since_dev[0] = t, recent_since
 
 
 def test_beacons_rotate_to_t_and_recent_queries_to_their_own_positions():
@@ -51,13 +64,15 @@ def test_beacons_rotate_to_t_and_recent_queries_to_their_own_positions():
     layer = cache[0]
     H, D = layer.n_heads, layer.head_dim
     beacons = torch.randn(1, H, 2, D, generator=g)
-    policy.beacons[0].assign(torch.tensor([0]), QuerySet(beacons, torch.tensor([[[3, 5]] * H]),
-                                                        torch.ones(1, H, 2, dtype=torch.bool)))
+    state = cache.state
+    state.layers[0].beacons.assign(torch.tensor([0]), QuerySet(beacons, torch.tensor([[[3, 5]] * H]),
+                                                               torch.ones(1, H, 2, dtype=torch.bool)))
     recent = torch.randn(1, H, 1, D, generator=g)
     layer.queries[:, :, 11 % layer.query_window] = recent[:, :, 0]
     layer.query_pos[0, 11 % layer.query_window] = 11
-    policy.t[0], policy.recent_since[0] = 11, 10
-    q_rot, q_mask, q_pos, source = policy.observation_queries(0, torch.tensor([0]), torch.tensor([11]))
+    _set_recent(state, 11, 10)
+    q_rot, q_mask, q_pos, source = policy.observation_queries(state, state.layers[0], layer, torch.tensor([0]),
+                                                              torch.tensor([11]))
 
     def by_hand(x, p):  # rotate-half RoPE written out
         inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
@@ -67,7 +82,7 @@ def test_beacons_rotate_to_t_and_recent_queries_to_their_own_positions():
 
     torch.testing.assert_close(q_rot[0, :, 0], by_hand(beacons[0, :, 0], 11.0))
     torch.testing.assert_close(q_rot[0, :, 1], by_hand(beacons[0, :, 1], 11.0))
-    i = 2 + 11 % policy.cache[0].query_window  # the recent query's ring slot, after the 2 beacons
+    i = 2 + 11 % layer.query_window  # the recent query's ring slot, after the 2 beacons
     torch.testing.assert_close(q_rot[0, :, i], by_hand(recent[0, :, 0], 11.0))  # its own position (= t here)
     assert q_mask[0].nonzero().flatten().tolist() == [0, 1, i]
     assert q_pos[0, [0, 1, i]].tolist() == [11, 11, 11] and source[0, [0, 1, i]].tolist() == [3, 5, 11]
@@ -80,8 +95,10 @@ def test_recent_query_is_rotated_to_its_own_position_not_t():
     x = torch.randn(1, 1, 1, layer.head_dim)
     layer.queries[:, :, 9 % layer.query_window] = x[:, :, 0]
     layer.query_pos[0, 9 % layer.query_window] = 9
-    policy.t[0], policy.recent_since[0] = 10, 8
-    q_rot, q_mask, q_pos, _ = policy.observation_queries(0, torch.tensor([0]), torch.tensor([10]))
+    state = cache.state
+    _set_recent(state, 10, 8)
+    q_rot, q_mask, q_pos, _ = policy.observation_queries(state, state.layers[0], layer, torch.tensor([0]),
+                                                         torch.tensor([10]))
     i = q_mask[0].nonzero()[0, 0]
     assert q_pos[0, i] == 9
     torch.testing.assert_close(q_rot[0, :, i], rope.rotate(x, torch.tensor([[9]]))[0, :, 0])
@@ -98,14 +115,15 @@ def test_max_aggregation_over_group_and_queries_matches_loops():
     layer.length[:] = n
     H = 4
     beacons = torch.randn(1, H, 2, 4, generator=g)
-    policy.beacons[0].assign(torch.tensor([0]), QuerySet(beacons, torch.tensor([[[1, 2]] * H]),
-                                                        torch.ones(1, H, 2, dtype=torch.bool)))
+    state = cache.state
+    state.layers[0].beacons.assign(torch.tensor([0]), QuerySet(beacons, torch.tensor([[[1, 2]] * H]),
+                                                               torch.ones(1, H, 2, dtype=torch.bool)))
     rq = torch.randn(1, H, 2, 4, generator=g)
     for j, p in enumerate((6, 7)):
         layer.queries[:, :, p % layer.query_window] = rq[:, :, j]
         layer.query_pos[0, p % layer.query_window] = p
-    policy.t[0], policy.recent_since[0] = 7, 5
-    score = policy.score(0, layer, torch.tensor([0]), torch.tensor([7]))
+    _set_recent(state, 7, 5)
+    score = policy.score(state, state.layers[0], layer, torch.tensor([0]), torch.tensor([7]))
     ref = torch.zeros(2, 10)
     keys_pos = layer.pos[0]
     for kv in range(2):
@@ -125,28 +143,28 @@ def test_roll_makes_observation_set_fps_of_beacons_and_recent():
     policy = BeaconKV(budget=64, n_beacon=4, n_recent=8)
     snapshot = {}
 
-    def watch(step):
-        if policy.phase[0] == "frozen" and step == 62:  # last step before the first eviction
-            snapshot["beacons"] = policy.beacons[0].rows(torch.tensor([0]))
-            layer = policy.cache[0]
-            snapshot["ring"] = (layer.queries[0].clone(), layer.query_pos[0].clone(), policy.recent_since[0])
+    def watch(step, state):
+        if state.phase[0] == "frozen" and step == 62:  # last step before the first eviction
+            snapshot["beacons"] = state.layers[0].beacons.rows(torch.tensor([0]))
+            layer = state.cache[0]
+            snapshot["ring"] = (layer.queries[0].clone(), layer.query_pos[0].clone(), state.recent_since[0])
         if step == 63:
-            snapshot["obs"] = policy.obs[0].rows(torch.tensor([0]))
+            snapshot["obs"] = state.layers[0].obs.rows(torch.tensor([0]))
 
-    drive(policy, [5], steps=64, n_layers=1, group=2, on_step=watch)
+    cache, state = drive(policy, [5], steps=64, n_layers=1, group=2, on_step=watch)
     q, qpos, since = snapshot["ring"]
     # the recent set at the eviction (step 63 wrote position 5 + 63 = 68) is positions since+1 .. 68
     assert since == 5 + 63 - 8
     b = snapshot["beacons"]
     # rebuild the recent queries as they were at the eviction: the ring slot of position 68 was written after
-    assert policy.stats.evictions == [1]
+    assert state.stats.evictions == [1]
     obs = snapshot["obs"]
     assert obs.valid.all() and obs.q.shape[2] == 4
     # every observation vector is one of the beacons or one of the 8 recent queries (positions 61..68)
     ok = set(b.pos[0, 0].tolist()) | set(range(61, 69))
     assert set(obs.pos[0, 0].tolist()) <= ok
     # and they are exactly FPS of that union
-    layer = policy.cache[0]
+    layer = cache[0]
     R = layer.query_window
     rec_pos = torch.arange(61, 69)
     rec_q = layer.queries[0][:, rec_pos % R]  # (heads, 8, D) — ring untouched since the eviction
@@ -160,21 +178,21 @@ def test_initial_recent_beacons_never_change():
     policy = InitialRecent(budget=64, n_beacon=4, n_recent=8)
     first = {}
 
-    def watch(step):
-        cur = policy.beacons[0].pos.clone()
+    def watch(step, state):
+        cur = state.layers[0].beacons.pos.clone()
         first.setdefault("pos", cur)
         assert torch.equal(first["pos"], cur)
         assert (cur < 12).all()  # all beacons come from the 12-token prompt
 
-    drive(policy, [12], steps=150, n_layers=1, on_step=watch)
-    assert policy.stats.evictions == [(150 - 64) // 8 + 1]
+    _, state = drive(policy, [12], steps=150, n_layers=1, on_step=watch)
+    assert state.stats.evictions == [(150 - 64) // 8 + 1]
 
 
 @pytest.mark.parametrize("n_beacon,n_recent", [(16, 16), (1, 31), (28, 4), (0, 32)])
 def test_paper_ablations_are_one_argument_away(n_beacon, n_recent):
     policy = BeaconKV(budget=256, n_beacon=n_beacon, n_recent=n_recent)
-    drive(policy, [6, 9], steps=300, n_layers=1, n_kv=1, group=2)
-    assert policy.stats.evictions == [2, 2]
+    _, state = drive(policy, [6, 9], steps=300, n_layers=1, n_kv=1, group=2)
+    assert state.stats.evictions == [2, 2]
 
 
 def test_inconsistent_settings_name_the_numbers():

@@ -43,15 +43,15 @@ def test_beacon_query_buffers_stay_bounded(case, n_beacon):
                       n_prefix=case["n_prefix"])
     q_max = n_beacon + case["n_recent"]
 
-    def bounded(step):
+    def bounded(step, state):
         for b in range(len(case["prompts"])):
-            if policy.phase[b] == "accumulate":  # stored + pending observation vectors
-                assert policy.obs_count[b] + policy.t[b] - policy.obs_since[b] < q_max
+            if state.phase[b] == "accumulate":  # stored + pending observation vectors
+                assert state.obs_count[b] + state.t[b] - state.obs_since[b] < q_max
             else:  # the recent set never exceeds n_recent
-                assert policy.t[b] - policy.recent_since[b] <= case["n_recent"]
-        for layer in range(len(policy.cache)):
-            assert policy.obs[layer].q.shape[2] == n_beacon and policy.beacons[layer].q.shape[2] == n_beacon
-            assert policy.cache[layer].queries.shape[2] == max(q_max, 1)
+                assert state.t[b] - state.recent_since[b] <= case["n_recent"]
+        assert state.obs.q.shape[-2] == n_beacon and state.beacons.q.shape[-2] == n_beacon
+        for layer in state.cache.layers:
+            assert layer.queries.shape[2] == max(q_max, 1)
 
     drive(policy, case["prompts"], case["steps"], n_kv=case["n_kv"], group=case["group"], seed=case["seed"],
           on_step=bounded)

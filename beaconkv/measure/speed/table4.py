@@ -24,8 +24,11 @@ policy in a fresh process and eagerly by default (the compiler's own memory woul
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -34,22 +37,16 @@ from typing import Any
 
 import torch
 
-import beaconkv
-from beaconkv.compile import CompileConfig
-from beaconkv.generation import GenerationOutput
-from beaconkv.models.config import ModelConfig, RopeConfig
-from beaconkv.models.decoder import CausalLM, build_model
-from beaconkv.models.rope import rope_inverse_frequencies
-from beaconkv.policies import make_policy
-
-from .speed import (
-    DTYPES,
-    PeakMemory,
-    StepRecorder,
-    _rss_bytes,
-    kv_bytes_per_token,
-    random_prompts,
-)
+from ...arguments import model_path
+from ...execution import CompileConfig
+from ...generation import GenerationOutput, generate
+from ...models.config import ModelConfig, RopeConfig
+from ...models.decoder import CausalLM
+from ...models.loading import load_model
+from ...models.random_weights import random_model
+from ...policies.registry import make_policy
+from .machine import DTYPES, PeakMemory, kv_bytes_per_token, random_prompts, rss_bytes
+from .timing import StepRecorder
 
 #: The paper's Table 4 (Qwen3-4B, 32K generation, A100 80 GB) for reference.
 PAPER_TABLE4 = {"full": {"batch": 14, "peak_gb": 77.0, "tokens_per_s": 82.3},
@@ -63,29 +60,6 @@ def qwen3_4b_config() -> ModelConfig:
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
         max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True, rope=RopeConfig(theta=1e6),
     )
-
-
-def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> CausalLM:
-    """Builds ``config`` with random weights directly in ``dtype`` on ``device`` (no float32 copy).
-
-    Linear and embedding weights are ``N(0, 0.02)``, norms 1: logits of a plausible scale, so the
-    generated ids are as varied as a real model's (speed and memory do not depend on the values).
-    """
-    device = torch.device(device)
-    with torch.device("meta"):
-        model = build_model(config)
-    g = torch.Generator(device=device).manual_seed(seed)
-    state = {}
-    for name, p in model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        t = torch.empty(p.shape, dtype=dtype, device=device)
-        state[name] = t.fill_(1.0) if "norm" in name else t.normal_(0.0, 0.02, generator=g)
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.rope.inv_freq = rope_inverse_frequencies(config.rope, config.head_dim)[0].to(device)
-    return model.eval()
 
 
 @dataclass
@@ -145,15 +119,11 @@ def _timed_run(model: CausalLM, policy_name: str, budget: int, batch: int, promp
     # cycles; FullKV: a few warm-up steps (compile), then as many timed steps
     warm = budget - 1 + gap if policy_name != "full" else 8
     timed = cycles * gap
-    rec = StepRecorder(policy, device)
-    try:
-        with PeakMemory(device) as mem:
-            out = beaconkv.generate(model, None, random_prompts(batch, prompt_tokens, model.config.vocab_size),
-                                    max_new_tokens=warm + timed + 1,
-                                    capacity_tokens=max(generation_tokens, warm + timed + 1), eos_token_ids=[],
-                                    policy=policy, compile=compile_config or False)
-    finally:
-        rec.close()
+    rec = StepRecorder(device)
+    with PeakMemory(device) as mem:
+        out = generate(model, None, random_prompts(batch, prompt_tokens, model.config.vocab_size),
+                       max_new_tokens=warm + timed + 1, capacity_tokens=max(generation_tokens, warm + timed + 1),
+                       eos_token_ids=[], policy=policy, compile=compile_config or False, on_step=rec)
     durations, _, _ = rec.window(warm, warm + timed - 1)
     peak = mem.peak if device.type == "cuda" else mem.peak - rss_zero
     return out, 1e3 * sum(durations) / len(durations), peak
@@ -167,8 +137,8 @@ def _fit(model: CausalLM, policy_name: str, budget: int, prompt_tokens: int, pro
     for b in probe:
         policy = make_policy(policy_name, budget=None if policy_name == "full" else budget)
         with PeakMemory(device) as mem:
-            out = beaconkv.generate(model, None, random_prompts(b, prompt_tokens, model.config.vocab_size),
-                                    max_new_tokens=4, eos_token_ids=[], policy=policy)
+            out = generate(model, None, random_prompts(b, prompt_tokens, model.config.vocab_size),
+                           max_new_tokens=4, eos_token_ids=[], policy=policy)
         peak = mem.peak if device.type == "cuda" else mem.peak - rss_zero
         pts.append((b, peak - out.stats.cache_bytes))
     (b1, m1), (b2, m2) = pts
@@ -317,7 +287,7 @@ def run_table4_section(args: argparse.Namespace, device: torch.device, compile_c
                        log: Callable[[str], None] = print, prefix: str = "") -> dict[str, Any]:
     """Runs the table from parsed arguments (see :func:`add_table4_arguments`; ``prefix`` with ``_``).
 
-    On CPU each policy is measured in a fresh Python process (``python -m beaconkv.measure.table4``),
+    On CPU each policy is measured in a fresh Python process (``python -m beaconkv.measure.speed.table4``),
     so that its peak resident memory is its own, unless ``--in-process``.
 
     Returns:
@@ -330,15 +300,14 @@ def run_table4_section(args: argparse.Namespace, device: torch.device, compile_c
     names = tuple(n.strip() for n in opt("policies").split(",") if n.strip())
     if not cuda and not opt("in_process"):
         return _run_in_subprocesses(opt, names, log)
-    rss_zero = 0 if cuda else _rss_bytes()
+    rss_zero = 0 if cuda else rss_bytes()
     dname = opt("dtype") or ("bf16" if cuda else "fp32")
     dtype = DTYPES[dname]
     which = opt("model")
     if which == "qwen3-4b":
         model, label = random_model(qwen3_4b_config(), dtype, device), "Qwen3-4B-shaped, random weights"
     else:
-        path = beaconkv.embedded_model_path() if which == "embedded" else which
-        model = beaconkv.load_model(path, dtype=dtype, device=device)
+        model = load_model(model_path(which), dtype=dtype, device=device)
         label = "SmolLM2-135M (embedded)" if which == "embedded" else Path(which).name
     gen = opt("generation_tokens") or (32768 if cuda else 2048)
     budget = opt("budget") or (2048 if cuda else 256)
@@ -355,11 +324,7 @@ def run_table4_section(args: argparse.Namespace, device: torch.device, compile_c
 
 def _run_in_subprocesses(opt: Callable[[str], Any], names: tuple[str, ...],
                          log: Callable[[str], None]) -> dict[str, Any]:
-    """Measures each policy in ``python -m beaconkv.measure.table4 --in-process`` and merges the results."""
-    import json
-    import subprocess
-    import tempfile
-
+    """Measures each policy in ``python -m beaconkv.measure.speed.table4 --in-process`` and merges the results."""
     flags = {"model": opt("model"), "dtype": opt("dtype"), "generation-tokens": opt("generation_tokens"),
              "budget": opt("budget"), "memory-limit-gb": opt("memory_limit_gb"), "batch": opt("batch"),
              "max-batch": opt("max_batch"), "cycles": opt("cycles"), "mode": opt("mode")}
@@ -367,7 +332,7 @@ def _run_in_subprocesses(opt: Callable[[str], Any], names: tuple[str, ...],
     rows: list[dict[str, Any]] = []
     def measure(name: str, batch: int | None) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "beaconkv.measure.table4", "--device", "cpu", "--in-process",
+            cmd = [sys.executable, "-m", "beaconkv.measure.speed.table4", "--device", "cpu", "--in-process",
                    "--policies", name, "--threads", str(torch.get_num_threads()), "--out", tmp]
             cmd += [x for k, v in {**flags, "batch": batch}.items() if v is not None for x in (f"--{k}", str(v))]
             log(f"  {name}: measuring in a fresh process" + (f" at batch {batch}" if batch else ""))
@@ -404,8 +369,8 @@ def _run_in_subprocesses(opt: Callable[[str], Any], names: tuple[str, ...],
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m beaconkv.measure.table4``: the table alone, printed as markdown (and JSON with ``--out``)."""
-    parser = argparse.ArgumentParser(prog="python -m beaconkv.measure.table4", description=__doc__.splitlines()[0])
+    """``python -m beaconkv.measure.speed.table4``: the table alone, printed as markdown (and JSON with ``--out``)."""
+    parser = argparse.ArgumentParser(prog="python -m beaconkv.measure.speed.table4", description=__doc__.splitlines()[0])
     add_table4_arguments(parser)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -418,8 +383,6 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown_table4(result)
     print(text)
     if args.out:
-        import json
-
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "table4.json").write_text(json.dumps(result, indent=1))
         (args.out / "table4.md").write_text(text + "\n")

@@ -1,0 +1,261 @@
+"""The compiled strategy: every device function as a ``torch.compile(fullgraph=True)`` graph.
+
+:class:`CompiledExecutor` compiles each function it is handed once per process (per settings and
+device type) and calls the graph; dynamo guards on shapes, dtypes and the constant settings the
+function reads, so later calls and later generations reuse it. On CUDA the graphs run with
+``mode="reduce-overhead"`` (CUDA graphs: the buffers the graphs write in place are marked as static
+addresses through :meth:`CompiledExecutor.prepare`, outputs are cloned before the host keeps them).
+On CPU they go through inductor; batch-1 matmuls become inductor's own vectorised reductions
+(:attr:`CompileConfig.cpu_gemv`).
+
+Nothing falls back silently: a function that cannot be one graph (a host read of a tensor value, an
+unsupported op), or that recompiles past :data:`RECOMPILE_LIMIT` times, raises :class:`CompileError`.
+
+Trap: a device function must never read host state that changes (a Python list of counts, an
+int attribute updated every step) — dynamo would bake it in as a constant and recompile at every
+change. Values that change cross into a graph as tensor arguments (or tensors of the state object).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from .base import EagerExecutor, Executor
+
+#: Size limits of inductor's ``decompose_mm_pass`` on CPU with :attr:`CompileConfig.cpu_gemv`: any matrix
+#: side (an LM head's vocabulary included), batch 1 only (the pass's default).
+CPU_GEMV_LIMITS = {"cpu_max_other_dimension_decomposition": 1 << 20}
+
+#: Most graphs one compiled function may hold (shapes, dtypes, models, policies) before
+#: :class:`CompileError` is raised instead of dynamo's silent fallback to eager.
+RECOMPILE_LIMIT = 64
+
+
+class CompileError(RuntimeError):
+    """``torch.compile`` is unavailable here or failed to compile a step; nothing fell back to eager."""
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How :func:`beaconkv.generate` compiles its device work (``compile=True`` uses the defaults).
+
+    Attributes:
+        backend: ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` checks tracing quickly).
+        mode: ``torch.compile`` mode; None = ``"reduce-overhead"`` (CUDA graphs) on CUDA, inductor's
+            default elsewhere.
+        freezing: Inductor ``freezing`` (weights folded as constants, GEMMs pre-packed for oneDNN).
+            Off by default: on CPUs without AVX-512 it measured no faster for batch-1 decoding and
+            makes the first compile slower; ``beaconkv bench --freezing`` measures it on yours.
+        dynamic: ``torch.compile(dynamic=...)``; None lets a shape that changed between calls (cache
+            capacity, batch, the rows of an eviction) become symbolic after one recompile.
+        policy: Compile the policies' device functions too (evictions, BeaconKV's query sampling);
+            False compiles the decode step only.
+        layerwise: Compile per-layer work (an eviction's score + select + compact) for *one* layer and
+            call it per layer (compiles in seconds, since every layer has the same shapes) instead of
+            one graph over all layers; None = per layer, except with CUDA graphs (one replay per
+            eviction needs one graph).
+        cpu_gemv: On CPU, let inductor turn batch-1 matmuls into its own vectorised reductions
+            (its ``decompose_mm_pass``) instead of calling the BLAS: decoding one token is a
+            matrix-vector product, memory-bound, and the BLAS's bf16 path is compute-bound on CPUs
+            without native bf16 (measured on the embedded model, 1 thread: bf16 42 -> 31 ms/step,
+            fp32 44 -> 38; 31 ms with the LM head too, see :func:`lift_cpu_gemv_limit`).
+    """
+
+    backend: str = "inductor"
+    mode: str | None = None
+    freezing: bool | None = None
+    dynamic: bool | None = None
+    policy: bool = True
+    layerwise: bool | None = None
+    cpu_gemv: bool = True
+
+    def options(self, device: torch.device) -> dict[str, Any]:
+        """Keyword arguments of ``torch.compile`` for a device (``fullgraph=True`` always)."""
+        kwargs: dict[str, Any] = {"fullgraph": True, "backend": self.backend, "dynamic": self.dynamic}
+        if self.backend != "inductor":
+            return kwargs
+        mode = self.mode if self.mode is not None else ("reduce-overhead" if device.type == "cuda" else None)
+        options: dict[str, Any] = {}
+        if self.freezing:
+            options["freezing"] = True
+        if self.cpu_gemv and device.type == "cpu":
+            # the limit takes effect through lift_cpu_gemv_limit(); stating it here also keys inductor's
+            # on-disk graph cache apart from graphs compiled without it
+            options["post_grad_fusion_options"] = {"decompose_mm_pass": dict(CPU_GEMV_LIMITS)}
+            if not lift_cpu_gemv_limit():
+                options["post_grad_fusion_options"] = {"decompose_mm_pass": {}}
+        if not options:
+            kwargs["mode"] = mode
+            return kwargs
+        # torch.compile takes either a mode or inductor options: spell the mode as options
+        if mode == "reduce-overhead":
+            options["triton.cudagraphs"] = True
+        elif mode not in (None, "default"):
+            raise CompileError(f"mode={mode!r} cannot be combined with freezing/cpu_gemv; pass freezing=False.")
+        kwargs["options"] = options
+        return kwargs
+
+    def cuda_graphs(self, device: torch.device) -> bool:
+        """Whether the compiled steps replay as CUDA graphs on ``device``."""
+        if device.type != "cuda" or self.backend != "inductor":
+            return False
+        return (self.mode if self.mode is not None else "reduce-overhead") == "reduce-overhead"
+
+
+def resolve_compile_config(compile: bool | CompileConfig | None) -> CompileConfig | None:
+    """``True`` -> the default :class:`CompileConfig`; ``False``/None -> None (eager).
+
+    Raises:
+        TypeError: Anything else.
+    """
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return CompileConfig()
+    if isinstance(compile, CompileConfig):
+        return compile
+    raise TypeError(f"compile={compile!r} must be a bool or a beaconkv.CompileConfig.")
+
+
+def check_compile_available() -> None:
+    """Raises :class:`CompileError` when ``torch.compile`` cannot run in this interpreter."""
+    if not hasattr(torch, "compile"):
+        raise CompileError(f"torch {torch.__version__} has no torch.compile; install torch>=2.4 or pass compile=False.")
+    try:
+        import torch._dynamo as dynamo
+
+        supported = dynamo.is_dynamo_supported()
+    except Exception as err:  # pragma: no cover - broken installs
+        raise CompileError(f"torch.compile cannot be imported ({err}); pass compile=False.") from err
+    if not supported:  # pragma: no cover - e.g. a Python newer than this torch supports
+        raise CompileError(
+            f"torch.compile does not support this Python with torch {torch.__version__}; pass compile=False."
+        )
+
+
+def lift_cpu_gemv_limit() -> bool:
+    """Lets inductor's ``decompose_mm_pass`` take an LM head's ``vocab x hidden`` matrix on CPU too.
+
+    The pass keeps its CPU size limit (2048 per side) in a module global, read from the inductor
+    config when the module is first imported; this sets that global to :data:`CPU_GEMV_LIMITS`
+    whatever the import order, for the whole process. It only matters to graphs compiled with the
+    pass on (:attr:`CompileConfig.cpu_gemv`; inductor leaves it off by default).
+
+    Returns:
+        Whether the limit is lifted (False if this torch has no such global: the LM head then
+        keeps calling the BLAS).
+    """
+    module = importlib.import_module("torch._inductor.fx_passes.decompose_mem_bound_mm")
+    for name, value in CPU_GEMV_LIMITS.items():
+        if not hasattr(module, name):
+            return False
+        setattr(module, name, max(getattr(module, name), value))
+    return True
+
+
+_COMPILED: dict[tuple[Callable[..., Any], CompileConfig, str], Callable[..., Any]] = {}
+
+
+def compiled(fn: Callable[..., Any], config: CompileConfig, device: torch.device) -> Callable[..., Any]:
+    """The ``torch.compile`` wrapper of one function, shared by every executor with the same settings."""
+    key = (fn, config, device.type)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, **config.options(device))
+    return _COMPILED[key]
+
+
+@contextlib.contextmanager
+def compile_guard(what: str) -> Iterator[None]:
+    """Turns a dynamo/inductor failure into :class:`CompileError` naming the function.
+
+    Dynamo's recompile limit is raised to :data:`RECOMPILE_LIMIT`, and hitting it raises too, instead
+    of silently running the function eagerly.
+    """
+    import torch._dynamo as dynamo
+
+    try:
+        with dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            yield
+    except (dynamo.exc.TorchDynamoException, dynamo.exc.FailOnRecompileLimitHit) as err:
+        raise CompileError(
+            f"torch.compile(fullgraph=True) failed on {what}: {type(err).__name__}: {str(err).strip()[:2000]}\n"
+            "Nothing fell back to eager; pass compile=False to decode eagerly."
+        ) from err
+
+
+def _tensors(obj: Any) -> Iterator[Tensor]:
+    """The tensors an object holds: a module's buffers, or what its ``tensors()`` method yields."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, nn.Module):
+        yield from obj.buffers()
+    elif hasattr(obj, "tensors"):
+        yield from obj.tensors()
+
+
+class CompiledExecutor(Executor):
+    """Runs every function as a compiled graph (see the module docstring).
+
+    Args:
+        config: Compilation settings.
+        device: The device the graphs run on.
+
+    Raises:
+        CompileError: ``torch.compile`` is unavailable here.
+    """
+
+    compiled = True
+
+    def __init__(self, config: CompileConfig, device: torch.device | str) -> None:
+        super().__init__()
+        check_compile_available()
+        self.config, self.device = config, torch.device(device)
+        self.cuda_graphs = config.cuda_graphs(self.device)
+        self.layerwise = (not self.cuda_graphs) if config.layerwise is None else config.layerwise
+
+    def prepare(self, *objects: Any) -> None:
+        """Marks the tensors of ``objects`` (caches, policy states) as static addresses under CUDA graphs.
+
+        ``guard=False``: a new cache (the next generation) makes the CUDA graphs re-record, not recompile.
+        """
+        if self.cuda_graphs:
+            for obj in objects:
+                for t in _tensors(obj):
+                    torch._dynamo.mark_static_address(t, guard=False)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self.calls[fn.__qualname__] += 1
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        owner = f" of {type(args[0]).__name__}" if args and not isinstance(args[0], (Tensor, nn.Module)) else ""
+        with compile_guard(f"{fn.__qualname__}{owner}"):
+            out = compiled(fn, self.config, self.device)(*args)
+        if self.cuda_graphs:  # a CUDA-graph output is overwritten by the next replay
+            out = tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, out)
+        return out
+
+
+def make_executor(compile: bool | CompileConfig | None, device: torch.device | str) -> tuple[Executor, Executor]:
+    """The executors ``generate(..., compile=...)`` asks for: ``(decode step's, policies')``.
+
+    Eager for False/None; compiled otherwise, the policies' too unless :attr:`CompileConfig.policy`
+    is False.
+
+    Raises:
+        TypeError: ``compile`` is not a bool or a :class:`CompileConfig`.
+        CompileError: Compilation is asked for and ``torch.compile`` is unavailable.
+    """
+    config = resolve_compile_config(compile)
+    if config is None:
+        eager = EagerExecutor()
+        return eager, eager
+    decode = CompiledExecutor(config, device)
+    return decode, (decode if config.policy else EagerExecutor())

@@ -1,0 +1,166 @@
+"""``beaconkv fidelity``: the command line of the fidelity study (and the trace options ``analyze`` shares)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ...arguments import (
+    add_kv_storage_argument,
+    add_model_arguments,
+    int_list,
+    int_or_auto,
+    model_path,
+    str_list,
+)
+from ...models.decoder import CausalLM
+from ...models.loading import load_model
+from ...policies.registry import policy_names
+from ...tokenizer import Tokenizer, load_tokenizer
+from .errors import FidelityError
+from .metrics import GlobalQueryRule
+from .report import _sort_key, markdown_table, plot_fidelity, write_csv
+from .study import measure_fidelity, study_runs
+from .traces import (
+    Trace,
+    forced_tokens,
+    generate_traces,
+    read_trace_records,
+    select_records,
+    trace_from_record,
+)
+
+#: Budgets of the standard run.
+DEFAULT_BUDGETS = (64, 128, 256, 512)
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser, num_traces: int, tokens: int) -> None:
+    """Adds the model, trace-source and query-classification options shared by ``fidelity`` and ``analyze``.
+
+    Args:
+        parser: The parser.
+        num_traces: Default ``--num-traces``.
+        tokens: Default ``--tokens``.
+    """
+    g = parser.add_argument_group("model and traces")
+    add_model_arguments(g, device=False)
+    g.add_argument("--traces", type=Path, default=None,
+                   help="JSONL file (or directory of them) with problem + output fields (default: the project's data/traces)")
+    g.add_argument("--trace-ids", type=str_list, default=None,
+                   help="comma-separated record ids (default: the first ones)")
+    g.add_argument("--num-traces", type=int, default=num_traces, help=f"records to take (default {num_traces})")
+    g.add_argument("--tokens", type=int, default=tokens, help=f"forced decode steps per trace (default {tokens})")
+    g.add_argument("--generate", action="store_true",
+                   help="force text the model writes itself from the records' problems (FullKV, sampled)")
+    g.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of --generate (default 0.6)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus mass of --generate (default 0.95)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed of --generate")
+    g.add_argument("--raw", action="store_true", help="do not render the problem with the chat template")
+    q = parser.add_argument_group("global queries (SPEC §1)")
+    q.add_argument("--top-k", type=int, default=150, help="attended keys averaged per query (paper 150)")
+    q.add_argument("--global-threshold", type=float, default=200.0,
+                   help="mean distance above which a query is global (paper 200; lower it for short traces)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def load_model_and_traces(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer, list[Trace]]:
+    """Loads the model and tokenizer named by ``args`` and the traces to force (see :func:`add_trace_arguments`).
+
+    Raises:
+        FidelityError: Bad trace selection, ``--tokens`` or ``--threads``.
+    """
+    if args.threads is not None:
+        if args.threads < 1:
+            raise FidelityError(f"--threads={args.threads} must be >= 1.")
+        torch.set_num_threads(args.threads)
+    if args.tokens < 1:
+        raise FidelityError(f"--tokens={args.tokens} must be >= 1.")
+    records = select_records(read_trace_records(args.traces), args.trace_ids, args.num_traces)
+    path = model_path(args.model)
+    model = load_model(path, dtype=args.dtype)
+    tok = load_tokenizer(path)
+    if args.generate:
+        traces = generate_traces(model, tok, [r["problem"] for r in records], args.tokens, args.temperature,
+                                 args.top_p, args.seed)
+    else:
+        traces = [trace_from_record(r, tok, chat=not args.raw) for r in records]
+    return model, tok, traces
+
+
+def add_fidelity_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the ``beaconkv fidelity`` options to ``parser``.
+
+    Args:
+        parser: A parser (or subparser).
+
+    Returns:
+        The same parser.
+    """
+    parser.description = "Teacher-forced fidelity of KV-cache policies against FullKV on reasoning traces."
+    add_trace_arguments(parser, num_traces=3, tokens=768)
+    p = parser.add_argument_group("policies")
+    default_policies = [n for n in policy_names() if n != "full"]
+    p.add_argument("--policies", type=str_list, default=sorted(default_policies, key=_sort_key),
+                   help="comma-separated registry names (default: all but full)")
+    p.add_argument("--budgets", type=int_list, default=list(DEFAULT_BUDGETS),
+                   help="comma-separated budgets (default 64,128,256,512)")
+    p.add_argument("--n-recent", type=int_or_auto, default=None,
+                   help="recent tokens kept; 'auto' (default) = 16, or budget // 8 where 16 is invalid")
+    p.add_argument("--n-beacon", type=int_or_auto, default=None,
+                   help="beacons of beacon/initial_recent (default: = n_recent)")
+    p.add_argument("--n-prefix", type=int_or_auto, default=None,
+                   help="protected prefix tokens (default 'prompt': the whole prompt)")
+    o = parser.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=Path("results/fidelity"),
+                   help="output directory (default results/fidelity)")
+    o.add_argument("--exact", action="store_true",
+                   help="call model.decode_step per run instead of batching the dense layers (slower; same result)")
+    add_kv_storage_argument(p)
+    return parser
+
+
+def run_fidelity(args: argparse.Namespace) -> int:
+    """Runs ``beaconkv fidelity`` from parsed arguments: measures, writes CSV/markdown/PNGs, prints the table.
+
+    Returns:
+        0 on success.
+
+    Raises:
+        FidelityError: Bad settings (before the model loads where they can be checked then).
+    """
+    t0 = time.perf_counter()
+    rule = GlobalQueryRule(args.top_k, args.global_threshold)
+    runs = study_runs(args.policies, args.budgets, args.n_recent, args.n_beacon, args.n_prefix)
+    model, _, traces = load_model_and_traces(args)
+    forced_tokens(traces, args.tokens)
+    print(f"forcing {len(traces)} trace(s) ({', '.join(t.name for t in traces)}), {args.tokens} tokens each, "
+          f"prompts {[len(t.prompt_ids) for t in traces]} tokens; {len(runs)} runs + FullKV"
+          + (f", {args.kv_storage} KV storage" if args.kv_storage != "dense" else ""), file=sys.stderr)
+    rows = measure_fidelity(model, traces, runs, args.tokens, rule, stack=not args.exact,
+                            progress=not args.no_progress, kv_storage=args.kv_storage)
+    wall = time.perf_counter() - t0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, out / "fidelity.csv")
+    table = markdown_table(rows)
+    (out / "fidelity.md").write_text(table + "\n")
+    plots = plot_fidelity(rows, out)
+    settings = {
+        "argv": sys.argv,
+        "traces": [t.name for t in traces], "prompt_tokens": [len(t.prompt_ids) for t in traces],
+        "tokens": args.tokens, "budgets": args.budgets, "policies": args.policies, "top_k": rule.top_k,
+        "global_threshold": rule.threshold, "n_prefix": args.n_prefix, "generated": bool(args.generate),
+        "kv_storage": args.kv_storage, "threads": torch.get_num_threads(), "wall_time_s": round(wall, 1),
+    }
+    (out / "run.json").write_text(json.dumps(settings, indent=2) + "\n")
+    print(table)
+    print(f"\nwrote {out / 'fidelity.csv'}, {out / 'fidelity.md'}, {len(plots)} plots in {out} "
+          f"({wall / 60:.1f} min)", file=sys.stderr)
+    return 0
+

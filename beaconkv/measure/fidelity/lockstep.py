@@ -1,0 +1,160 @@
+"""Teacher-force one batch of token streams through FullKV and several policies at once, in lock-step.
+
+Every run is a :class:`~beaconkv.session.Session` — the same cache allocation, policy state and
+lifecycle as :func:`beaconkv.generate` — and all runs decode through the model's *public* path
+(``model.prefill`` / ``model.decode_step``). With ``stack=True`` (default) they share one pass
+through the dense layers: the runs' caches form a :class:`~beaconkv.cache_stack.CacheStack`, so
+norms, projections, MLPs and the LM head run once over ``runs x traces`` rows while every run's
+attention reads and writes its own cache. ``stack=False`` decodes each run on its own (the literal
+generation call); a test checks both give the same logits.
+
+The FullKV reference's decode attention is captured through its cache's public ``attention_hook``
+(the recall's ground truth), and each run's held positions are read from its cache before the
+policy's post-step eviction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...cache_stack import CacheStack
+from ...models.decoder import CausalLM
+from ...policies.base import EvictionPolicy, FullKV
+from ...session import Session, pad_prompts
+from ...storage import KVStorage
+from .errors import FidelityError
+
+
+@dataclass
+class StepOutput:
+    """What one lock-step decode step produced.
+
+    Attributes:
+        logits: ``(runs, batch, vocab)`` float32; run 0 is the FullKV reference.
+        weights: ``(layers, batch, kv_heads, group, C)`` the reference's decode attention weights.
+        key_pos: ``(layers, batch, kv_heads, C)`` positions of the reference's slots.
+        held_pos: Per compressed run, ``(layers, batch, kv_heads, C_run)`` the positions its
+            attention saw at this step (before its post-step eviction).
+        query_pos: ``(batch,)`` position of the decoded token.
+    """
+
+    logits: Tensor
+    weights: Tensor
+    key_pos: Tensor
+    held_pos: list[Tensor]
+    query_pos: Tensor
+
+
+class LockStep:
+    """Teacher-forces one batch of token streams through a FullKV session and one session per policy.
+
+    Args:
+        model: The model (eval mode).
+        policies: Compressed runs (policy objects; each gets its own session and state).
+        prompts: Prompt token ids per sequence (ragged).
+        max_new_tokens: Decode steps the caches must hold (sizes FullKV).
+        stack: Share the dense layers of all runs in one batched pass (fast); False decodes each
+            session on its own.
+        reference_query_window: Pre-RoPE query ring length of the reference cache (analysis: keep
+            every query by passing at least the reference capacity); 0 = none.
+        cache_dtype: KV dtype of every run (default: the model's).
+        kv_storage: Storage of the compressed runs' caches (the reference is always dense).
+
+    Attributes:
+        sessions: The reference's session first, then one per policy.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        policies: Sequence[EvictionPolicy],
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        stack: bool = True,
+        reference_query_window: int = 0,
+        cache_dtype: torch.dtype | None = None,
+        kv_storage: str | type[KVStorage] = "dense",
+    ) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise FidelityError("every prompt needs at least one token.")
+        cfg = model.config
+        self.model, self.stack, self.prompts = model, stack, [list(p) for p in prompts]
+        self.lengths = [len(p) for p in prompts]
+        if max(self.lengths) + max_new_tokens > cfg.max_position_embeddings:
+            raise FidelityError(
+                f"prompt {max(self.lengths)} + {max_new_tokens} tokens exceeds max_position_embeddings="
+                f"{cfg.max_position_embeddings}; lower --tokens."
+            )
+        reference = Session.for_prompts(model, FullKV(), self.lengths, max_new_tokens, cache_dtype=cache_dtype,
+                                        observe_attention=True, query_window=reference_query_window)
+        self.sessions = [reference] + [
+            Session.for_prompts(model, p, self.lengths, max_new_tokens, cache_dtype=cache_dtype, kv_storage=kv_storage)
+            for p in policies
+        ]
+        self._captured: list[Tensor | None] = [None] * cfg.num_hidden_layers
+        for i, layer in enumerate(reference.cache.layers):
+            layer.attention_hook = self._capture_hook(i)
+        self._stacked = CacheStack([s.cache for s in self.sessions])
+        self.device = reference.device
+
+    def _capture_hook(self, i: int):
+        def hook(weights: Tensor) -> None:
+            self._captured[i] = weights  # (batch, kv_heads, group, capacity)
+
+        return hook
+
+    @property
+    def reference(self) -> Session:
+        """The FullKV session."""
+        return self.sessions[0]
+
+    @property
+    def policies(self) -> list[EvictionPolicy]:
+        """The reference's policy (FullKV), then the compressed runs'."""
+        return [s.policy for s in self.sessions]
+
+    @torch.inference_mode()
+    def prefill(self) -> Tensor:
+        """Writes the prompts into every cache and lets each policy act on them.
+
+        Returns:
+            ``(runs, batch, vocab)`` logits of the last prompt token (identical across runs).
+        """
+        if not self.stack:
+            return torch.stack([s.prefill(self.prompts) for s in self.sessions])
+        rows = list(range(len(self.prompts)))
+        for s in self.sessions:
+            s.admit(rows, self.lengths)
+        ids, valid = pad_prompts(self.prompts, self.device)
+        logits = self.model.prefill(ids, valid, self._stacked)  # the prompt runs once for every cache
+        for s in self.sessions:
+            s.after_prefill(rows)
+        return logits.expand(len(self.sessions), -1, -1)
+
+    @torch.inference_mode()
+    def step(self, tokens: Tensor) -> StepOutput:
+        """Decodes one forced token per sequence in every run, then lets every policy evict.
+
+        Args:
+            tokens: ``(batch,)`` the forced tokens (their positions follow the prompts).
+
+        Returns:
+            The logits of every run and what the recall needs (see :class:`StepOutput`).
+        """
+        tokens = tokens.to(self.device)
+        positions = self.reference.positions.clone()
+        R, B = len(self.sessions), tokens.shape[0]
+        if self.stack:
+            logits = self.model.decode_step(tokens.repeat(R), positions.repeat(R), self._stacked).view(R, B, -1)
+        else:
+            logits = torch.stack([self.model.decode_step(tokens, s.positions, s.cache) for s in self.sessions])
+        weights = torch.stack(self._captured)  # type: ignore[arg-type]  # (layers, batch, kv_heads, group, C)
+        key_pos = torch.stack([layer.positions() for layer in self.reference.cache.layers])
+        held = [torch.stack([layer.positions() for layer in s.cache.layers]) for s in self.sessions[1:]]
+        for s in self.sessions:
+            s.after_step()
+        return StepOutput(logits, weights, key_pos, held, positions)

@@ -1,0 +1,236 @@
+"""The fidelity study: every policy x budget against FullKV, in lock-step on the same forced tokens.
+
+At every decode step we compare, per run: the next-token distributions (``KL(full ‖ policy)`` and
+top-1 agreement) and the attention recall — the share of the *reference* query's attention mass that
+falls on positions the compressed cache still holds — for global and local queries (see
+:mod:`.metrics`), pooled over steps, layers, heads and traces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ...models.decoder import CausalLM
+from ...policies.base import EvictionPolicy
+from ...policies.config import PolicyConfigError
+from ...policies.registry import make_policy, policy_parameters
+from .errors import FidelityError
+from .lockstep import LockStep
+from .metrics import GlobalQueryRule, held_attention_mass, kl_divergence
+from .traces import Trace, forced_tokens
+
+
+@dataclass(frozen=True)
+class Run:
+    """One compressed run of a study: a label (the registry name) and the policy.
+
+    Attributes:
+        name: Registry name, used as the label of its rows.
+        policy: The policy (its settings give the rows' budget, ``n_recent``, ``n_beacon``).
+    """
+
+    name: str
+    policy: EvictionPolicy
+
+
+def auto_n_recent(budget: int, default: int = 16, ratio: float = 7 / 8) -> int:
+    """``n_recent`` for a budget: ``default`` when the 7/8 cadence allows it, else ``budget // 8``.
+
+    The base class needs ``budget - floor(ratio * budget) >= n_recent``; with the default 16 that
+    means budget >= 128, so smaller budgets scale ``n_recent`` down (64 -> 8).
+    """
+    return default if budget - math.floor(ratio * budget) >= default else max(budget // 8, 1)
+
+
+def study_runs(
+    policies: Iterable[str],
+    budgets: Iterable[int],
+    n_recent: int | None = None,
+    n_beacon: int | None = None,
+    n_prefix: int | None = None,
+    extra: dict[str, dict[str, Any]] | None = None,
+) -> list[Run]:
+    """The policy x budget grid of a study, built (and so validated) through the policy registry.
+
+    Args:
+        policies: Registry names (``full`` is the reference and is skipped).
+        budgets: Budgets (``B_max``).
+        n_recent: Recent tokens kept; None = :func:`auto_n_recent` per budget.
+        n_beacon: Beacons of BeaconKV / Initial+Recent; None = ``n_recent`` (the paper's 16/16 split).
+        n_prefix: Protected prefix; None = the whole prompt (SPEC default).
+        extra: Per-policy extra constructor arguments.
+
+    Returns:
+        One run per (policy, budget), in the given order.
+
+    Raises:
+        FidelityError: A budget < 1, an unknown policy, or settings the policy rejects.
+    """
+    out = []
+    for name in policies:
+        if name in ("full", "fullkv"):
+            continue
+        for budget in budgets:
+            if budget < 1:
+                raise FidelityError(f"budget={budget} must be >= 1.")
+            nr = auto_n_recent(budget) if n_recent is None else n_recent
+            kw: dict[str, Any] = {"n_recent": nr}
+            if n_prefix is not None:
+                kw["n_prefix"] = n_prefix
+            try:
+                if "n_beacon" in policy_parameters(name):
+                    kw["n_beacon"] = nr if n_beacon is None else n_beacon
+                kw.update((extra or {}).get(name, {}))
+                out.append(Run(name, make_policy(name, budget, **kw)))  # validated now, not after an hour
+            except PolicyConfigError as err:
+                raise FidelityError(f"{name} at budget {budget} with {kw}: {err}") from err
+    return out
+
+
+@dataclass
+class FidelityRow:
+    """The measured figures of one policy at one budget, over one trace or all of them.
+
+    Attributes:
+        policy: Registry name.
+        budget: ``B_max``.
+        n_recent: Recent tokens kept.
+        n_beacon: Beacons (BeaconKV-like policies), else None.
+        trace: Trace name, or ``"all"``.
+        steps: Decode steps compared (per trace, summed over traces for ``"all"``).
+        kl: Mean ``KL(full ‖ policy)`` of the next-token distribution (nats).
+        top1: Share of steps whose argmax equals FullKV's.
+        recall: Mean attention recall over all queries.
+        recall_global: Mean recall over global queries (NaN if none).
+        recall_local: Mean recall over local queries.
+        n_global: Global queries (steps x layers x query heads).
+        n_queries: All queries.
+        evictions: Evictions per trace (mean for ``"all"``).
+    """
+
+    policy: str
+    budget: int
+    n_recent: int
+    n_beacon: int | None
+    trace: str
+    steps: int
+    kl: float
+    top1: float
+    recall: float
+    recall_global: float
+    recall_local: float
+    n_global: int
+    n_queries: int
+    evictions: float
+
+
+@dataclass
+class _Tally:
+    """Per-trace running sums of one run's metrics (float64)."""
+
+    batch: int
+    kl: Tensor = field(init=False)
+    top1: Tensor = field(init=False)
+    mass: Tensor = field(init=False)
+    mass_global: Tensor = field(init=False)
+    n_global: Tensor = field(init=False)
+    n_queries: Tensor = field(init=False)
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("kl", "top1", "mass", "mass_global", "n_global", "n_queries"):
+            setattr(self, name, torch.zeros(self.batch, dtype=torch.float64))
+
+    def add(self, kl: Tensor, agree: Tensor, mass: Tensor, is_global: Tensor) -> None:
+        """Adds one step: ``kl``/``agree`` ``(batch,)``; ``mass``/``is_global`` ``(layers, batch, kv, group)``."""
+        dims = (0, 2, 3)
+        self.kl += kl.double()
+        self.top1 += agree.double()
+        self.mass += mass.double().sum(dims)
+        self.mass_global += (mass.double() * is_global).sum(dims)
+        self.n_global += is_global.double().sum(dims)
+        self.n_queries += mass.numel() // self.batch  # layers x query heads per trace
+        self.steps += 1
+
+    def row(self, run: Run, trace: str, b: slice, evictions: float) -> FidelityRow:
+        """Summarises traces ``b`` into a :class:`FidelityRow`."""
+        n_steps = self.steps * len(range(*b.indices(self.batch)))
+        kl, top1 = float(self.kl[b].sum()), float(self.top1[b].sum())
+        mass, mass_g = float(self.mass[b].sum()), float(self.mass_global[b].sum())
+        n_g, n_q = float(self.n_global[b].sum()), float(self.n_queries[b].sum())
+        n_l = n_q - n_g
+        return FidelityRow(
+            policy=run.name, budget=run.policy.budget, n_recent=run.policy.n_recent,
+            n_beacon=getattr(run.policy, "n_beacon", None), trace=trace, steps=n_steps,
+            kl=kl / max(n_steps, 1), top1=top1 / max(n_steps, 1), recall=mass / max(n_q, 1),
+            recall_global=mass_g / n_g if n_g else float("nan"),
+            recall_local=(mass - mass_g) / n_l if n_l else float("nan"),
+            n_global=int(n_g), n_queries=int(n_q), evictions=evictions,
+        )
+
+
+def measure_fidelity(
+    model: CausalLM,
+    traces: Sequence[Trace],
+    runs: Sequence[Run],
+    n_tokens: int,
+    rule: GlobalQueryRule | None = None,
+    stack: bool = True,
+    progress: bool = True,
+    kv_storage: str = "dense",
+) -> list[FidelityRow]:
+    """Runs the lock-step study and returns one row per (policy, budget) x (each trace, ``"all"``).
+
+    Args:
+        model: The model.
+        traces: Token streams (batched together; each forces its first ``n_tokens`` output tokens).
+        runs: Compressed runs (see :func:`study_runs`).
+        n_tokens: Decode steps per trace.
+        rule: Global/local classification of queries (default: SPEC §1, K = 150, threshold 200).
+        stack: Batch the dense layers of all runs (see :class:`LockStep`).
+        progress: Show a tqdm progress bar.
+        kv_storage: Storage of the compressed runs' caches (``"dense"`` or ``"int8"``).
+
+    Returns:
+        The rows, ``"all"`` rows first in run order, then per-trace rows.
+
+    Raises:
+        FidelityError: No run, no trace, or a trace shorter than ``n_tokens``.
+    """
+    rule = rule or GlobalQueryRule()
+    if not runs:
+        raise FidelityError("no policy/budget to measure; pass --policies and --budgets.")
+    if not traces:
+        raise FidelityError("no trace to force; check --traces / --trace-ids / --num-traces.")
+    tokens = forced_tokens(traces, n_tokens)
+    lock = LockStep(model, [r.policy for r in runs], [t.prompt_ids for t in traces], n_tokens, stack=stack,
+                    kv_storage=kv_storage)
+    B = len(traces)
+    tallies = [_Tally(B) for _ in runs]
+    lock.prefill()
+    bar = tqdm(range(n_tokens), desc=f"fidelity ({len(runs)} runs x {B} traces)", unit="tok", disable=not progress)
+    for s in bar:
+        out = lock.step(tokens[:, s])
+        is_global = rule.is_global(out.weights, out.key_pos, out.query_pos.view(1, B, 1))
+        ref = out.logits[0]
+        ref_top = ref.argmax(-1)
+        for r, tally in enumerate(tallies, start=1):
+            mass = held_attention_mass(out.weights, out.key_pos, out.held_pos[r - 1])
+            tally.add(kl_divergence(ref, out.logits[r]), out.logits[r].argmax(-1) == ref_top, mass, is_global)
+        if progress and s % 32 == 0:
+            bar.set_postfix(global_share=f"{float(is_global.float().mean()):.3f}")
+    rows = []
+    evictions = [s.state.stats.evictions for s in lock.sessions[1:]]
+    for run, tally, ev in zip(runs, tallies, evictions):
+        rows.append(tally.row(run, "all", slice(None), sum(ev) / len(ev)))
+    for b, trace in enumerate(traces):
+        for run, tally, ev in zip(runs, tallies, evictions):
+            rows.append(tally.row(run, trace.name, slice(b, b + 1), float(ev[b])))
+    return rows

@@ -1,0 +1,181 @@
+"""``beaconkv bench``: the command line of the speed benchmark (sections, quick mode, outputs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...arguments import int_list, model_path, str_list
+from ...execution import CompileConfig
+from ...models.config import ModelConfig
+from ...models.loading import load_model
+from .curve import measure_cost_curve, plot_cost_curve
+from .machine import DTYPES, BenchError, cpu_name, streaming_bandwidth
+from .policies import DEFAULT_POLICIES, measure_policies
+from .report import markdown_report
+from .table4 import add_table4_arguments, run_table4_section
+from .targets import evaluate_targets
+from .throughput import measure_throughput
+
+SECTIONS = ("throughput", "curve", "policies", "table4")
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the ``beaconkv bench`` options to ``parser``.
+
+    Args:
+        parser: A parser (or subparser).
+
+    Returns:
+        The same parser.
+    """
+    parser.description = "Decode speed, bandwidth roofline, cost curve and memory of beaconkv vs transformers."
+    g = parser.add_argument_group("model and machine")
+    g.add_argument("--model", default=None, help="checkpoint directory (default: the embedded SmolLM2-135M)")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--sections", type=str_list, default=["throughput", "curve", "policies"],
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but table4)")
+    g.add_argument("--repeats", type=int, default=2, help="timed runs per figure; the best counts (default 2)")
+    g.add_argument("--quick", action="store_true",
+                   help="a seconds-long smoke run: fp32, batch 1, few tokens, short curve, two policies, no table4")
+    t = parser.add_argument_group("throughput")
+    t.add_argument("--dtypes", type=str_list, default=["fp32", "bf16"], help="comma-separated (default fp32,bf16)")
+    t.add_argument("--batches", type=int_list, default=[1, 8], help="comma-separated (default 1,8)")
+    t.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (default 64)")
+    t.add_argument("--new-tokens", type=int, default=64, help="decode steps timed (default 64)")
+    t.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
+    t.add_argument("--no-transformers-compile", action="store_true", help="skip transformers' static-cache compile")
+    c = parser.add_argument_group("compilation")
+    c.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
+    c.add_argument("--freezing", action="store_true", help="inductor freezing (CPU: measures whether it helps)")
+    c.add_argument("--eager-sections", action="store_true",
+                   help="run the curve and policy sections eagerly instead of compiled")
+    k = parser.add_argument_group("cost curve and policies")
+    k.add_argument("--budget", type=int, default=256, help="budget of BeaconKV and the policies (default 256)")
+    k.add_argument("--contexts", type=int_list, default=[512, 1024, 2048, 4096],
+                   help="context lengths of the cost curve (default 512,1024,2048,4096)")
+    k.add_argument("--curve-window", type=int, default=64, help="steps averaged per curve point (default 64)")
+    k.add_argument("--policies", type=str_list, default=list(DEFAULT_POLICIES),
+                   help=f"comma-separated (default {','.join(DEFAULT_POLICIES)}; FullKV always runs)")
+    k.add_argument("--policy-batch", type=int, default=1, help="batch of the policy section (default 1)")
+    k.add_argument("--policy-cycles", type=int, default=8,
+                   help="eviction cycles timed per policy, after the first eviction (default 8)")
+    k.add_argument("--policy-dtype", default=None,
+                   help="dtype of the curve and policy sections (default: bf16 on CUDA, fp32 on CPU, where bf16 "
+                        "prefill of 4K-token prompts takes minutes)")
+    add_table4_arguments(parser.add_argument_group("table 4 (--sections ...,table4)"), prefix="table4-")
+    parser.add_argument("--out", type=Path, default=Path("results/bench"), help="output directory (default results/bench)")
+    return parser
+
+
+def _apply_quick(args: argparse.Namespace) -> None:
+    args.dtypes, args.batches = args.dtypes[:1] if args.dtypes != ["fp32", "bf16"] else ["fp32"], args.batches[:1]
+    args.new_tokens, args.prompt_tokens, args.repeats = 8, 16, 1
+    args.budget, args.curve_window = 128, 16
+    args.contexts = [64, 128]
+    args.policies = [p for p in args.policies if p in ("beacon", "snapkv")] or ["beacon"]
+    args.policy_cycles, args.policy_dtype = 2, "fp32"
+    args.sections = [s for s in args.sections if s != "table4"]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Runs ``beaconkv bench`` from parsed arguments; writes ``bench.json``, ``bench.md``, ``cost_curve.png``.
+
+    Returns:
+        0 on success.
+
+    Raises:
+        BenchError: Unknown sections or dtypes, ``--repeats < 1`` (checked before anything loads).
+    """
+    t0 = time.perf_counter()
+    if args.quick:
+        _apply_quick(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.policy_dtype = args.policy_dtype or ("bf16" if device.type == "cuda" else "fp32")
+    bad_sections = [s for s in args.sections if s not in SECTIONS]
+    bad_dtypes = [d for d in [*args.dtypes, args.policy_dtype] if d not in DTYPES]
+    if bad_sections:
+        raise BenchError(f"--sections {','.join(bad_sections)} unknown; choose from {','.join(SECTIONS)}.")
+    if bad_dtypes:
+        raise BenchError(f"dtype {','.join(bad_dtypes)} unknown; choose from {','.join(DTYPES)}.")
+    if args.repeats < 1:
+        raise BenchError(f"--repeats={args.repeats} must be >= 1.")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    path = Path(model_path(args.model))
+    compile_config = CompileConfig(backend=args.compile_backend, freezing=args.freezing or None)
+    section_compile = None if args.eager_sections else compile_config
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    stream = streaming_bandwidth(device, nbytes=(1 << 28) if args.quick else (1 << 30))
+    config = ModelConfig.from_file(path)
+    name = "SmolLM2-135M-Instruct (embedded)" if not args.model else path.name
+    params = sum(p.numel() for p in {id(p): p for p in load_model(path).parameters()}.values())
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "command": _command_line(args),
+        "machine": {
+            "device": device.type, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+            "stream_gbps": stream, "python": platform.python_version(),
+        },
+        "model": {"name": name, "path": str(path), "parameters": params, "config": asdict(config)},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not callable(v)
+                     and not k.startswith("_")},
+    }
+    log(f"bench: {results['machine']['device_name']}, {results['machine']['threads']} thread(s), "
+        f"streaming read {stream:.1f} GB/s; model {name}")
+    if "throughput" in args.sections:
+        log("throughput:")
+        rows = measure_throughput(path, args.dtypes, args.batches, args.prompt_tokens, args.new_tokens, device,
+                                  stream, compile_config, args.repeats, not args.no_transformers,
+                                  not args.no_transformers_compile, log)
+        results["throughput"] = [asdict(r) for r in rows]
+    if "curve" in args.sections or "policies" in args.sections:
+        model = load_model(path, dtype=DTYPES[args.policy_dtype], device=device)
+        if "curve" in args.sections:
+            log("cost curve:")
+            points = measure_cost_curve(model, args.contexts, args.budget, args.curve_window, args.prompt_tokens,
+                                        section_compile, args.repeats, log)
+            results["curve"] = [asdict(p) for p in points]
+            plot_cost_curve(points, args.budget, f"{name}, {args.policy_dtype}, batch 1, "
+                            f"{'eager' if section_compile is None else 'compiled'}", args.out / "cost_curve.png")
+        if "policies" in args.sections:
+            log(f"policies at budget {args.budget}:")
+            rows_p = measure_policies(model, args.policies, args.budget, args.policy_batch, args.prompt_tokens,
+                                      args.policy_cycles, section_compile, args.repeats, log)
+            results["policies"] = [asdict(r) for r in rows_p]
+        del model
+    if "table4" in args.sections:
+        log("table 4:")
+        results["table4"] = run_table4_section(args, device, compile_config, log, prefix="table4_")
+    results["targets"] = [asdict(t) for t in evaluate_targets(results)]
+    results["wall_time_s"] = time.perf_counter() - t0
+    (args.out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
+    report = markdown_report(results)
+    (args.out / "bench.md").write_text(report + "\n")
+    print(report)
+    log(f"wrote {args.out}/bench.json, bench.md" + (", cost_curve.png" if "curve" in results else "")
+        + f" in {results['wall_time_s'] / 60:.1f} min")
+    return 0
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The command as typed, when this process is ``beaconkv bench`` / ``python -m ...speed``."""
+    argv = sys.argv[1:]
+    if argv[:1] == ["bench"]:
+        argv = argv[1:]
+    elif not sys.argv[0].endswith(("speed", "beaconkv", "__main__.py")):
+        return "beaconkv bench (called from Python" + (", --quick)" if args.quick else ")")
+    return " ".join(["beaconkv bench", *argv])

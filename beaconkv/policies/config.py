@@ -1,0 +1,62 @@
+"""Validation of policy settings: one error type, messages that name the value, the limit and the fix."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class PolicyConfigError(ValueError):
+    """Inconsistent policy settings (budget, ratio, n_recent, n_prefix...)."""
+
+
+def check_int(name: str, value: Any, minimum: int | None = None, *, optional: bool = False, hint: str = "") -> None:
+    """Raises :class:`PolicyConfigError` unless ``value`` is an int (not a bool) ``>= minimum``.
+
+    Args:
+        name: The parameter's name, for the message.
+        value: The value to check.
+        minimum: Smallest allowed value (None: any int).
+        optional: Whether None is allowed.
+        hint: Appended to the message (e.g. the default).
+    """
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = type(value).__name__
+        fix = f" (e.g. {name}={int(value)})" if isinstance(value, float) and math.isfinite(value) else ""
+        raise PolicyConfigError(f"{name}={value!r} must be an int, not {kind}{fix}.{' ' + hint if hint else ''}")
+    if minimum is not None and value < minimum:
+        raise PolicyConfigError(f"{name}={value} must be >= {minimum}.{' ' + hint if hint else ''}")
+
+
+def check_number(name: str, value: Any, low: float | None = None, high: float | None = None, *,
+                 open_low: bool = False, open_high: bool = False, hint: str = "") -> None:
+    """Raises :class:`PolicyConfigError` unless ``value`` is a finite real number within the bounds.
+
+    Args:
+        name: The parameter's name.
+        value: The value.
+        low: Lower bound (None: none).
+        high: Upper bound (None: none).
+        open_low: Whether ``low`` itself is excluded.
+        open_high: Whether ``high`` itself is excluded.
+        hint: Appended to the message.
+    """
+    tail = f" {hint}" if hint else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PolicyConfigError(f"{name}={value!r} must be a finite number.{tail}")
+    below = low is not None and (value <= low if open_low else value < low)
+    above = high is not None and (value >= high if open_high else value > high)
+    if below or above:
+        lo = "" if low is None else f"{'(' if open_low else '['}{low}"
+        hi = "" if high is None else f"{high}{')' if open_high else ']'}"
+        where = f"in {lo}, {hi}" if low is not None and high is not None else (
+            f"{'>' if open_low else '>='} {low}" if low is not None else f"{'<' if open_high else '<='} {high}")
+        raise PolicyConfigError(f"{name}={value} must be {where}.{tail}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raises :class:`PolicyConfigError` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise PolicyConfigError(f"{name}={value!r} is unknown; use one of {', '.join(map(repr, choices))}.")

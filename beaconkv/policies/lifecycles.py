@@ -1,0 +1,172 @@
+"""Where BeaconKV keeps the past queries it draws beacons from: two lifecycles, one interface.
+
+* :class:`BoundedObservation` — the paper's Continual FPS (SPEC §3-4): a per-head observation set
+  of ``B_min^Q`` vectors, the prompt's FPS at prefill; decode queries wait in the cache's query ring
+  and are folded in (FPS back to ``B_min^Q``) whenever set + pending reach ``B_max^Q``; beacons are
+  sampled from set + pending; after an eviction the set becomes FPS(beacons ∪ recent). Memory: at
+  most ``B_max^Q`` vectors per head.
+* :class:`QueryHistory` — Naive FPS and K-Means (analysis, Fig. 7): every query of the sequence,
+  prompt and decode, is kept (the cache's ring is sized to the whole sequence), and the beacons are
+  sampled from all of them at each freeze. Memory: the whole history.
+
+:class:`~beaconkv.policies.beacon.BeaconKV` picks one from its sampler's ``bounded`` flag; its
+schedule (when to compress, freeze, roll) is the same for both.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..cache import LayerKVCache
+from .query_set import QuerySet
+from .state import PolicyState
+
+if TYPE_CHECKING:  # the lifecycles are BeaconKV's parts; only type checkers need the name
+    from .beacon import BeaconKV
+
+
+def ring_set(cache: LayerKVCache, rows: Tensor, lo: Tensor, hi: Tensor) -> QuerySet:
+    """The cache ring's queries with positions in ``(lo, hi]`` as a :class:`QuerySet` (per head)."""
+    q, qpos, mask = cache.ring(rows, lo, hi)
+    H = q.shape[1]
+    return QuerySet(q, qpos[:, None].expand(-1, H, -1), mask[:, None].expand(-1, H, -1))
+
+
+def ring_since(state: PolicyState, rows: list[int], rows_t: Tensor, since: list[int], since_dev: Tensor) -> QuerySet:
+    """Every layer's ring queries of ``rows`` at positions in ``(since, t]``, stacked over layers.
+
+    Shape ``(layers, b, heads, n, head_dim)`` with ``n`` the largest such count over the rows (known
+    on the host; rows with fewer are masked). Only the ring slots that can hold them are read, and
+    the positions are computed on the device (no host-to-device copy).
+
+    Args:
+        state: The policy's state.
+        rows: Row indices (host).
+        rows_t: The same on the device.
+        since: Host, per row of ``rows``: exclusive lower bound.
+        since_dev: Device ``(batch,)`` mirror of the bound for every row.
+    """
+    cache = state.cache
+    R = cache[0].query_window
+    n = max(min(max(state.t[b] - s for b, s in zip(rows, since)), R), 0)
+    pos = state.t_dev[rows_t][:, None] - n + 1 + torch.arange(n, device=rows_t.device)  # (b, n)
+    slots = pos.remainder(R)
+    # positions the ring still holds (every layer writes the same positions: layer 0 tells)
+    held = torch.gather(cache[0].query_pos[rows_t], 1, slots) == pos
+    valid = held & (pos > since_dev[rows_t][:, None])
+    pos = torch.where(valid, pos, -1)
+    first = cache[0]
+    idx = slots[:, None, :, None].expand(-1, first.n_heads, -1, first.head_dim)
+    q = torch.stack([torch.gather(c.queries[rows_t], 2, idx) for c in cache.layers])
+    shape = (len(cache), len(rows), first.n_heads, n)
+    return QuerySet(q, pos[None, :, None].expand(shape), valid[None, :, None].expand(shape))
+
+
+class QueryLifecycle(ABC):
+    """How BeaconKV keeps its candidate queries (see the module docstring)."""
+
+    #: Whether the memory is bounded by ``B_max^Q`` vectors per head.
+    bounded: bool
+
+    @abstractmethod
+    def query_window(self, policy: BeaconKV, max_tokens: int) -> int:
+        """Length of the cache's query ring this lifecycle needs."""
+
+    def init(self, policy: BeaconKV, state: Any) -> None:
+        """Allocates the lifecycle's own tensors in the state. Default: nothing."""
+
+    def observe_prefill(self, policy: BeaconKV, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
+                        rows: Tensor) -> None:
+        """Sees one layer's prompt queries. Default: nothing (the ring keeps them)."""
+
+    def prefill_count(self, policy: BeaconKV, prompt_length: int) -> int:
+        """Vectors in the observation set right after the prefill. Default: 0."""
+        return 0
+
+    def compress_due(self, policy: BeaconKV, state: Any, rows: list[int]) -> list[int]:
+        """Rows whose pending queries must be folded in now. Default: none."""
+        return []
+
+    def compress(self, policy: BeaconKV, state: Any, rows: list[int]) -> None:
+        """Step 2 for ``rows``. Default: nothing."""
+
+    @abstractmethod
+    def freeze_candidates(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> QuerySet:
+        """The queries step 3 samples the beacons from, every layer's stacked."""
+
+    def roll(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> None:
+        """Step 6 for ``rows`` (before the beacons are cleared). Default: nothing."""
+
+    @abstractmethod
+    def held(self, policy: BeaconKV, state: Any, row: int) -> int:
+        """Query vectors held per head for one live row."""
+
+
+class BoundedObservation(QueryLifecycle):
+    """Continual FPS: a bounded observation set, compressed as it fills (memory <= ``B_max^Q`` per head)."""
+
+    bounded = True
+
+    def query_window(self, policy: BeaconKV, max_tokens: int) -> int:
+        return max(policy.q_max, policy.n_recent, 1)
+
+    def init(self, policy: BeaconKV, state: Any) -> None:
+        first = state.cache[0]
+        state.obs = QuerySet.empty(first.batch, first.n_heads, policy.q_min, first.head_dim, first.dtype,
+                                   state.device, layers=len(state.cache))
+
+    def observe_prefill(self, policy: BeaconKV, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
+                        rows: Tensor) -> None:
+        B, H, L, _ = q_pre.shape
+        prompt = QuerySet(q_pre, positions[:, None].expand(B, H, L), valid[:, None].expand(B, H, L))
+        layer_state.obs.assign(rows, prompt.select(policy.sampler, policy.q_min))
+
+    def prefill_count(self, policy: BeaconKV, prompt_length: int) -> int:
+        return min(prompt_length, policy.q_min)
+
+    def compress_due(self, policy: BeaconKV, state: Any, rows: list[int]) -> list[int]:
+        return [b for b in rows if state.phase[b] == "accumulate"
+                and state.obs_count[b] + (state.t[b] - state.obs_since[b]) >= policy.q_max]
+
+    def compress(self, policy: BeaconKV, state: Any, rows: list[int]) -> None:
+        rows_t = state.index(rows)
+        pending = ring_since(state, rows, rows_t, [state.obs_since[b] for b in rows], state.obs_since_dev)
+        state.obs.assign(rows_t, policy.sample(state, QuerySet.cat(state.obs.rows(rows_t), pending), policy.q_min))
+        for b in rows:
+            state.obs_count[b] = min(state.obs_count[b] + state.t[b] - state.obs_since[b], policy.q_min)
+            state.obs_since[b] = state.t[b]
+        state.obs_since_dev[rows_t] = state.t_dev[rows_t]
+
+    def freeze_candidates(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> QuerySet:
+        pending = ring_since(state, rows, rows_t, [state.obs_since[b] for b in rows], state.obs_since_dev)
+        return QuerySet.cat(state.obs.rows(rows_t), pending)
+
+    def roll(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> None:
+        recent = ring_since(state, rows, rows_t, [state.recent_since[b] for b in rows], state.recent_since_dev)
+        state.obs.assign(rows_t, policy.sample(state, QuerySet.cat(state.beacons.rows(rows_t), recent), policy.q_min))
+        for b in rows:
+            state.obs_count[b] = min(policy.n_beacon + state.t[b] - state.recent_since[b], policy.q_min)
+
+    def held(self, policy: BeaconKV, state: Any, row: int) -> int:
+        if state.phase[row] == "accumulate":
+            return state.obs_count[row] + state.t[row] - state.obs_since[row]
+        return policy.n_beacon + min(state.t[row] - state.recent_since[row], policy.n_recent)
+
+
+class QueryHistory(QueryLifecycle):
+    """Naive FPS / K-Means: every query of the sequence is kept; beacons sampled from all of them."""
+
+    bounded = False
+
+    def query_window(self, policy: BeaconKV, max_tokens: int) -> int:
+        return max(max_tokens, policy.n_recent, 1)  # the ring holds the whole sequence
+
+    def freeze_candidates(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> QuerySet:
+        return ring_since(state, rows, rows_t, [-1] * len(rows), torch.full_like(state.t_dev, -1))
+
+    def held(self, policy: BeaconKV, state: Any, row: int) -> int:
+        return state.t[row] + 1

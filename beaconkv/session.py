@@ -1,0 +1,226 @@
+"""One decoding session: a model, its cache, a policy's state and the execution strategy, set up once.
+
+:class:`Session` is the single place where a cache is allocated and a policy bound to it. Every
+caller that decodes goes through it — :func:`beaconkv.generate`, the continuous-batching engine, the
+fidelity study — so they all run the same steps:
+
+1. **allocate** — :class:`~beaconkv.cache.KVCache` with the policy's ring and the chosen storage
+   (``"dense"``, ``"int8"``), and the policy's :class:`~beaconkv.policies.PolicyState`;
+2. **prefill** — :meth:`Session.prefill` admits rows (all, or some rows of a slot pool), writes
+   their prompts through :meth:`~beaconkv.models.CausalLM.prefill` and lets the policy act;
+3. **decode** — :meth:`Session.step` runs one decode step for every row (model, in-place cache
+   write, attention, sampling: :func:`decode_and_sample`, through the executor — one graph when
+   compiled), then the policy's between-step work (evictions when due);
+4. **release** — :meth:`Session.release` frees rows (a finished request leaves its slot).
+
+Rows that are not admitted do not decode: they write nothing that counts, never evict and are never
+counted (the cache's ``active`` mask, the state's ``live`` flags).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .cache import KVCache
+from .execution import CompileConfig, make_executor
+from .models.decoder import CausalLM
+from .policies.base import EvictionPolicy, FullKV
+from .sampling import SamplingParams, race_noise, sample_next
+from .storage import KVStorage
+
+
+def decode_and_sample(
+    model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor, noise: Tensor | None, params: SamplingParams
+) -> Tensor:
+    """One decode step for the whole batch and the next tokens (the body of the compiled decode step).
+
+    Args:
+        model: The model.
+        cache: The cache (written in place).
+        tokens: ``(batch,)`` newest tokens.
+        positions: ``(batch,)`` their positions.
+        noise: Race noise for sampling (None when greedy); drawn outside (a graph cannot take a
+            ``torch.Generator``) by the same calls an eager run makes, so seeded runs match.
+        params: Sampling parameters (constants of the graph).
+
+    Returns:
+        ``(batch,)`` int64 next tokens.
+    """
+    logits = model.decode_step(tokens, positions, cache)
+    return sample_next(logits, params, noise=noise)
+
+
+def decode_logits(model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor) -> Tensor:
+    """One decode step returning the float32 logits ``(batch, vocab)`` (teacher forcing, measurement)."""
+    return model.decode_step(tokens, positions, cache)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], device: torch.device, pad: int = 0) -> tuple[Tensor, Tensor]:
+    """Right-pads token ids: ``(ids (b, L), valid (b, L))`` on ``device``."""
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), pad, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+    lengths = torch.tensor([len(p) for p in prompts])
+    valid = torch.arange(L)[None] < lengths[:, None]
+    return ids.to(device), valid.to(device)
+
+
+class Session:
+    """A model, a cache of ``batch`` rows, a policy's state over it, and the executors.
+
+    Args:
+        model: The model.
+        policy: The eviction policy (settings; its state is created here). None = FullKV.
+        batch: Rows (sequences, or slots of a pool).
+        capacity: Cache slots per (row, KV head); :meth:`for_prompts` sizes it with the policy.
+        max_tokens: The longest sequence a row will hold (sizes a policy's query ring; default ``capacity``).
+        kv_storage: ``"dense"``, ``"int8"`` or a :class:`~beaconkv.storage.KVStorage` subclass.
+        cache_dtype: Dtype a dense storage keeps keys and values in (None: the model's); attention
+            computes in the model's dtype.
+        compile: Run the decode step and the policy's device work as compiled graphs (see
+            :class:`~beaconkv.execution.CompileConfig`).
+        observe_attention: Make the attention report decode weights through each layer cache's
+            ``attention_hook`` even if the policy does not observe them (measurement).
+        query_window: Keep at least this many pre-RoPE queries per head in the cache's ring
+            (measurement; the policy's own need is always met).
+
+    Attributes:
+        cache: The cache.
+        state: The policy's state.
+        positions: ``(batch,)`` the position each row's next token takes.
+        policy_s: Host seconds spent in the policy between steps.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        policy: EvictionPolicy | None,
+        *,
+        batch: int,
+        capacity: int,
+        max_tokens: int | None = None,
+        kv_storage: str | type[KVStorage] = "dense",
+        cache_dtype: torch.dtype | None = None,
+        compile: bool | CompileConfig = False,
+        observe_attention: bool = False,
+        query_window: int = 0,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.policy = policy if policy is not None else FullKV()
+        self.device = model.lm_head.weight.device
+        self.decoder, policy_executor = make_executor(compile, self.device)
+        self.cache = KVCache.allocate(
+            cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.num_attention_heads, capacity, cfg.head_dim,
+            dtype=model.lm_head.weight.dtype, device=self.device,
+            query_window=max(self.policy.query_window(max_tokens or capacity), query_window),
+            track_attention=self.policy.track_attention or observe_attention, storage=kv_storage,
+            storage_dtype=cache_dtype,
+        )
+        self.cache.active.fill_(False)  # no row decodes until admitted
+        self.state = self.policy.create_state(self.cache, model.rope, policy_executor)
+        self.decoder.prepare(self.cache, self.state)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.vocab = model.lm_head.weight.shape[0]
+        self.policy_s = 0.0
+
+    @classmethod
+    def for_prompts(
+        cls, model: CausalLM, policy: EvictionPolicy | None, prompt_lengths: Sequence[int], new_tokens: int, **kwargs
+    ) -> Session:
+        """A session with one row per prompt, its cache sized by the policy for ``new_tokens`` more tokens.
+
+        Args:
+            model: The model.
+            policy: The policy (None = FullKV).
+            prompt_lengths: Prompt length of each row.
+            new_tokens: Tokens each row may add.
+            **kwargs: ``kv_storage``, ``cache_dtype``, ``compile``, ``observe_attention``, ``query_window``
+                (see the class).
+        """
+        policy = policy if policy is not None else FullKV()
+        lengths = list(prompt_lengths)
+        return cls(model, policy, batch=len(lengths), capacity=policy.capacity(lengths, new_tokens),
+                   max_tokens=max(lengths) + new_tokens, **kwargs)
+
+    @property
+    def batch(self) -> int:
+        """Rows of the session."""
+        return self.cache.batch
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the decode step runs compiled."""
+        return self.decoder.compiled
+
+    # ------------------------------------------------------------------------------- rows
+    def admit(self, rows: Sequence[int], prompt_lengths: Sequence[int]) -> None:
+        """Starts ``rows`` for prompts of these lengths (before their prefill; see :meth:`prefill`)."""
+        rows, lengths = list(rows), list(prompt_lengths)
+        self.policy.admit(self.state, rows, lengths)
+        self.positions[self.state.index(rows)] = self.state.to_device(lengths)
+
+    def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int] | None = None) -> Tensor:
+        """Admits ``rows`` (default: all, in order), writes their prompts and lets the policy act.
+
+        Args:
+            prompts: Token ids per row (ragged).
+            rows: Which rows of the cache they go to.
+
+        Returns:
+            ``(len(prompts), vocab)`` float32 logits of each prompt's last token.
+        """
+        rows = list(range(len(prompts))) if rows is None else list(rows)
+        self.admit(rows, [len(p) for p in prompts])
+        ids, valid = pad_prompts(prompts, self.device)
+        target = self.cache if rows == list(range(self.batch)) else self.cache.rows(self.state.index(rows))
+        logits = self.model.prefill(ids, valid, target)
+        self.after_prefill(rows)
+        return logits
+
+    def after_prefill(self, rows: Sequence[int]) -> None:
+        """The policy's work once the prompts of ``rows`` are written (:meth:`prefill` calls it; a caller
+        that writes the prompts itself — a :class:`~beaconkv.cache_stack.CacheStack` — calls it after)."""
+        t0 = time.perf_counter()
+        self.policy.after_prefill(self.state, list(rows))
+        self.policy_s += time.perf_counter() - t0
+
+    def release(self, rows: Sequence[int]) -> None:
+        """Ends ``rows``: they stop decoding and counting; their slots are emptied for the next admission."""
+        self.policy.release(self.state, list(rows))
+
+    # ------------------------------------------------------------------------------- decode
+    def step(self, tokens: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
+        """Decodes ``tokens`` (one per row) and samples the next ones; then the policy acts.
+
+        Args:
+            tokens: ``(batch,)`` newest token of each row (anything for rows that are not live).
+            params: Sampling parameters.
+            generator: Draws the sampling noise.
+
+        Returns:
+            ``(batch,)`` next tokens (a fresh tensor).
+        """
+        noise = None if params.greedy else race_noise(self.batch, self.vocab, self.device, generator)
+        nxt = self.decoder.run(decode_and_sample, self.model, self.cache, tokens, self.positions, noise, params)
+        self.after_step()
+        return nxt
+
+    def step_logits(self, tokens: Tensor) -> Tensor:
+        """Decodes ``tokens`` and returns their float32 logits ``(batch, vocab)``; then the policy acts."""
+        logits = self.decoder.run(decode_logits, self.model, self.cache, tokens, self.positions)
+        self.after_step()
+        return logits
+
+    def after_step(self) -> None:
+        """The policy's between-step work and the positions' advance, after a decode step wrote a token
+        in every live row (:meth:`step` calls it; a caller that decodes through a stack calls it after)."""
+        t0 = time.perf_counter()
+        self.policy.after_decode_step(self.state)
+        self.policy_s += time.perf_counter() - t0
+        self.positions.add_(self.cache.active)
