@@ -30,13 +30,13 @@ from torch.utils._pytree import tree_map
 
 from .base import EagerExecutor, Executor
 
-#: Size limits of inductor's ``decompose_mm_pass`` on CPU with :attr:`CompileConfig.cpu_gemv`: any matrix
-#: side (an LM head's vocabulary included), batch 1 only (the pass's default).
 CPU_GEMV_LIMITS = {"cpu_max_other_dimension_decomposition": 1 << 20}
+"""Size limits of inductor's ``decompose_mm_pass`` on CPU with :attr:`CompileConfig.cpu_gemv`: any matrix
+side (an LM head's vocabulary included), batch 1 only (the pass's default)."""
 
-#: Most graphs one compiled function may hold (shapes, dtypes, models, policies) before
-#: :class:`CompileError` is raised instead of dynamo's silent fallback to eager.
 RECOMPILE_LIMIT = 64
+"""Most graphs one compiled function may hold (shapes, dtypes, models, policies) before
+:class:`CompileError` is raised instead of dynamo's silent fallback to eager."""
 
 
 class CompileError(RuntimeError):

@@ -65,7 +65,8 @@ class EvictionPolicy:
     :meth:`observe_prefill`, :meth:`observe_attention`, :meth:`on_decode`, :meth:`after_evict`,
     :meth:`after_count_change`). Everything about budgets, protection, scheduling and compaction is
     shared. A subclass declared ``@dataclass`` adds its parameters as fields (after ``budget``,
-    before the keyword-only ones) and validates them in :meth:`validate`.
+    before the keyword-only ones) and validates them in :meth:`validate`; every policy takes the
+    keyword-only ``n_prefix``, ``n_recent``, ``ratio`` and ``telemetry`` documented here.
 
     Args:
         budget: ``B_max``, evictable tokens per sequence and KV head; None = never evict.

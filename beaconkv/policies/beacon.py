@@ -103,7 +103,6 @@ class BeaconKV(EvictionPolicy):
             by default. Unbounded samplers (``NaiveFPS``, ``KMeans``) see the whole query history.
         n_recent: Keyword-only. Recent queries scored at their own positions; also the recent tokens
             always kept. The query buffer bound is ``B_max^Q = n_beacon + n_recent``.
-        n_prefix, ratio, telemetry: Keyword-only, see :class:`~beaconkv.policies.base.EvictionPolicy`.
 
     The paper's ablations are one argument away: ``(n_beacon, n_recent)`` = (16, 16) default,
     (1, 31), (28, 4), (0, 32) ≈ RPC-like.

@@ -45,7 +45,6 @@ class H2O(EvictionPolicy):
         budget: ``B_max`` (see :class:`~beaconkv.policies.base.EvictionPolicy`).
         recent_ratio: Share of ``B_min`` reserved for the most recent tokens, in ``[0, 1]`` (default
             0.5, H2O's even heavy/recent split).
-        n_prefix, n_recent, ratio, telemetry: Keyword-only, see the base class.
 
     Raises:
         PolicyConfigError: ``recent_ratio`` outside ``[0, 1]``.

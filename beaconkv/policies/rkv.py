@@ -90,7 +90,6 @@ class RKV(RecentWindowPolicy):
         threshold: Cosine similarity above which keys count as similar, in ``[0, 1]`` (default 0.5).
         cadence: ``"budget"`` (default) or ``"rkv"``.
         buffer: New tokens between evictions under ``cadence="rkv"`` (default 128).
-        **kwargs: ``n_prefix``, ``n_recent``, ``ratio``, ``telemetry`` of the base class.
 
     Raises:
         PolicyConfigError: Bad ``window``/``kernel``/``lam``/``threshold``/``cadence``, a missing

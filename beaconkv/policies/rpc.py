@@ -74,7 +74,6 @@ class RPC(RecentWindowPolicy):
         compression: c, the kept share ``1/c`` of a period (default 4).
         reselect: Under ``cadence="rpc"``, re-select over every evictable token (reference code) instead
             of the newest period only (default False).
-        **kwargs: ``n_prefix``, ``n_recent``, ``ratio``, ``telemetry`` of the base class.
 
     Raises:
         PolicyConfigError: Bad ``window``/``kernel``/``group_reduce``/``cadence``; under

@@ -49,10 +49,10 @@ _GRAM_MAX_POINTS = 256
 # `farthest_point_sampling`).
 _AFTER_VALID = torch.finfo(torch.float32).max
 _NEVER = math.inf
-#: Default tie tolerance of FPS: scores this close (relative to their size, at least absolutely) count
-#: as a tie, broken on the lowest index. Exact duplicate points can get scores one rounding step apart
-#: when a GEMM computes their rows or columns in different blocks, and must still tie (SPEC §3).
 TIE_RTOL = 1e-6
+"""Default tie tolerance of FPS: scores this close (relative to their size, at least absolutely) count
+as a tie, broken on the lowest index. Exact duplicate points can get scores one rounding step apart
+when a GEMM computes their rows or columns in different blocks, and must still tie (SPEC §3)."""
 
 
 def _first_min(key: Tensor, tie_rtol: float) -> Tensor:

@@ -33,7 +33,6 @@ class SnapKV(RecentWindowPolicy):
         budget: ``B_max`` (see :class:`~beaconkv.policies.base.EvictionPolicy`).
         window: Observed recent queries (default 32).
         kernel: Odd pooling kernel (default 5).
-        n_prefix, n_recent, ratio, telemetry: Keyword-only, see the base class.
 
     Raises:
         PolicyConfigError: ``window < 1`` or ``kernel`` even or ``< 1``.

@@ -33,7 +33,6 @@ class StreamingLLM(EvictionPolicy):
     Args:
         budget: ``B_max`` (see :class:`~beaconkv.policies.base.EvictionPolicy`).
         n_sink: Sink tokens kept after the prefix (default 4).
-        n_prefix, n_recent, ratio, telemetry: Keyword-only, see the base class.
 
     Raises:
         PolicyConfigError: ``n_sink < 0``, or ``n_sink + n_recent > B_min`` (the sinks would crowd out

@@ -28,7 +28,6 @@ class RecentWindowPolicy(EvictionPolicy):
         budget: ``B_max`` (see :class:`~beaconkv.policies.base.EvictionPolicy`).
         window: Observed recent queries.
         kernel: Odd pooling kernel along the cache axis (1 = no pooling).
-        n_prefix, n_recent, ratio, telemetry: Keyword-only, see the base class.
 
     Raises:
         PolicyConfigError: ``window < 1`` or ``kernel`` even or ``< 1``.

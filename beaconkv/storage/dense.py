@@ -12,7 +12,12 @@ class DenseKV(KVStorage):
     """Keys and values in ``storage_dtype`` (default: the compute dtype), cast at attention when they differ.
 
     Args:
-        batch, n_kv_heads, capacity, head_dim, dtype, device: See :class:`~beaconkv.storage.KVStorage`.
+        batch: Sequences.
+        n_kv_heads: Key/value heads.
+        capacity: Slots per (sequence, KV head).
+        head_dim: Width of a head.
+        dtype: The compute dtype (what reads return).
+        device: Where the buffers live.
         storage_dtype: Dtype of the buffers (e.g. ``torch.bfloat16`` under a float32 model, which halves
             the cache); None = the compute dtype, and then :meth:`keys` returns the buffer itself.
 

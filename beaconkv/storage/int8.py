@@ -48,7 +48,12 @@ class Int8KV(KVStorage):
     """Keys and values as int8 with per-token, per-KV-head float16 scales (see the module docstring).
 
     Args:
-        batch, n_kv_heads, capacity, head_dim, dtype, device: See :class:`~beaconkv.storage.KVStorage`.
+        batch: Sequences.
+        n_kv_heads: Key/value heads.
+        capacity: Slots per (sequence, KV head).
+        head_dim: Width of a head.
+        dtype: The compute dtype (what reads and attention return).
+        device: Where the buffers live.
     """
 
     kind = "int8"

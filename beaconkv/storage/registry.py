@@ -10,8 +10,8 @@ from .base import KVStorage, StorageError
 from .dense import DenseKV
 from .int8 import Int8KV
 
-#: Name -> storage class.
 STORAGES: dict[str, type[KVStorage]] = {"dense": DenseKV, "int8": Int8KV}
+"""Name -> storage class (what ``kv_storage=`` accepts, besides a class)."""
 
 
 def storage_names() -> list[str]:
@@ -40,7 +40,12 @@ def make_storage(kind: str | type[KVStorage], batch: int, n_kv_heads: int, capac
 
     Args:
         kind: ``"dense"``, ``"int8"`` or a :class:`KVStorage` subclass.
-        batch, n_kv_heads, capacity, head_dim, dtype, device: See :class:`KVStorage`.
+        batch: Sequences.
+        n_kv_heads: Key/value heads.
+        capacity: Slots per (sequence, KV head).
+        head_dim: Width of a head.
+        dtype: The compute dtype.
+        device: Where the buffers live.
         storage_dtype: Buffer dtype of a dense storage (None: the compute dtype); an int8 storage
             accepts only None or ``torch.int8``.
         **options: Further constructor arguments of the class.

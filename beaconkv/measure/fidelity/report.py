@@ -10,15 +10,15 @@ from pathlib import Path
 
 from .study import FidelityRow
 
-#: Display order of the built-in policies (others follow alphabetically).
 POLICY_ORDER = ("beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming")
-#: Metric column -> human label, for tables and plots.
+"""Display order of the built-in policies (others follow alphabetically)."""
 METRICS = {
     "kl": "KL(full ‖ policy), nats/token",
     "top1": "top-1 agreement with FullKV",
     "recall_global": "attention recall, global queries",
     "recall_local": "attention recall, local queries",
 }
+"""Metric column -> human label, for tables and plots."""
 
 
 def _sort_key(policy: str) -> tuple[int, str]:

@@ -64,6 +64,7 @@ class ThroughputRow:
 
 
 def load_hf_model(path: Path, dtype: torch.dtype, device: torch.device) -> Any:
+    """The same checkpoint as a transformers model (the reference implementation of the bench)."""
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
