@@ -1,25 +1,37 @@
 """Benchmark evaluation: loaders, prompts, graders, a code sandbox and a resumable, sharded runner.
 
 Typical use is the command line (``beaconkv eval``, ``python -m beaconkv.eval``, or
-``torchrun -m beaconkv.eval``); the same run from Python::
+``torchrun -m beaconkv.eval``); the same run from Python (AIME24 is read from the project's
+``data/`` folder)::
 
     from beaconkv.eval import EvalConfig, run_eval
-    report = run_eval(EvalConfig(model="embedded", benchmark="aime24", data="aime24.jsonl",
-                                 policy="beacon", budget=1024, samples=8, out_dir="results"))
+    report = run_eval(EvalConfig(model="embedded", benchmark="aime24", policy="beacon",
+                                 budget=1024, samples=8, out_dir="results"))
     print(report.table)
+
+The modules, from the ground up: :mod:`~beaconkv.eval.errors`; :mod:`~beaconkv.eval.benchmarks`
+(the registry and the :class:`Problem` record), :mod:`~beaconkv.eval.answers` (answer extraction),
+:mod:`~beaconkv.eval.grade`, :mod:`~beaconkv.eval.seeds`, :mod:`~beaconkv.eval.sandbox`;
+:mod:`~beaconkv.eval.datasets` (loaders), :mod:`~beaconkv.eval.prompts`,
+:mod:`~beaconkv.eval.grading` (math, multiple choice), :mod:`~beaconkv.eval.code_grading`;
+:mod:`~beaconkv.eval.response_grading` (picks the grader); :mod:`~beaconkv.eval.results`,
+:mod:`~beaconkv.eval.summary`, :mod:`~beaconkv.eval.distributed`, :mod:`~beaconkv.eval.config`,
+:mod:`~beaconkv.eval.backend`; :mod:`~beaconkv.eval.runner`; :mod:`~beaconkv.eval.cli`.
 """
 
-from beaconkv.eval.cli import add_eval_arguments, config_from_args, run_eval_from_args
-from beaconkv.eval.code_grading import extract_code, grade_code
-from beaconkv.eval.datasets import (
+from beaconkv.eval.answers import extract_choice_letter, extract_last_boxed
+from beaconkv.eval.backend import GenerationBackend, load_backend
+from beaconkv.eval.benchmarks import (
     BENCHMARKS,
     BenchmarkSpec,
     CodeTest,
     Problem,
     get_benchmark,
-    load_benchmark,
-    read_records,
 )
+from beaconkv.eval.cli import add_eval_arguments, config_from_args, run_eval_from_args
+from beaconkv.eval.code_grading import extract_code, grade_code
+from beaconkv.eval.config import EvalConfig
+from beaconkv.eval.datasets import load_benchmark, read_records
 from beaconkv.eval.errors import (
     DatasetAccessError,
     DatasetFormatError,
@@ -28,17 +40,12 @@ from beaconkv.eval.errors import (
     ResultsConflictError,
     UnknownBenchmarkError,
 )
-from beaconkv.eval.grading import (
-    Grade,
-    extract_choice_letter,
-    extract_last_boxed,
-    grade_choice,
-    grade_math,
-    grade_response,
-    math_answers_equal,
-)
+from beaconkv.eval.grade import Grade
+from beaconkv.eval.grading import grade_choice, grade_math, math_answers_equal
 from beaconkv.eval.prompts import BuiltPrompt, build_prompt, render_chat
-from beaconkv.eval.runner import EvalConfig, EvalReport, GenerationBackend, run_eval
+from beaconkv.eval.response_grading import grade_response
+from beaconkv.eval.results import set_aside_torn_tail
+from beaconkv.eval.runner import EvalReport, run_eval
 from beaconkv.eval.sandbox import SandboxLimits, SandboxResult, run_python
 from beaconkv.eval.summary import (
     SummaryRow,
@@ -57,8 +64,8 @@ __all__ = [
     "EvalConfig",
     "EvalError",
     "EvalReport",
-    "Grade",
     "GenerationBackend",
+    "Grade",
     "MissingFieldError",
     "Problem",
     "ResultsConflictError",
@@ -78,6 +85,7 @@ __all__ = [
     "grade_code",
     "grade_math",
     "grade_response",
+    "load_backend",
     "load_benchmark",
     "math_answers_equal",
     "read_records",
@@ -85,6 +93,7 @@ __all__ = [
     "run_eval",
     "run_eval_from_args",
     "run_python",
+    "set_aside_torn_tail",
     "summarize",
     "write_summary",
 ]

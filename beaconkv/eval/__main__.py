@@ -1,10 +1,16 @@
-"""``python -m beaconkv.eval ...`` and ``torchrun --nproc-per-node N -m beaconkv.eval ...``."""
+"""``python -m beaconkv.eval ...`` and ``torchrun --nproc-per-node N -m beaconkv.eval ...``.
+
+The same command as ``beaconkv eval``, run through :func:`beaconkv.command.module_main`: wrong
+input is one line ``beaconkv eval: error: ...`` with exit status 2 (``--debug`` shows the
+traceback). Under ``torchrun`` every rank runs this module; the runner reads the rank from the
+environment (:mod:`beaconkv.eval.distributed`).
+"""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from beaconkv.command import module_main
 from beaconkv.eval.cli import add_eval_arguments, run_eval_from_args
 
 
@@ -15,14 +21,9 @@ def main(argv: list[str] | None = None) -> int:
         argv: Arguments without the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit status.
+        The exit status: 0, 2 after wrong input, 130 when interrupted.
     """
-    parser = argparse.ArgumentParser(
-        prog="python -m beaconkv.eval",
-        description="Evaluate a reasoning model with a compressed KV cache on a benchmark.",
-    )
-    add_eval_arguments(parser)
-    return run_eval_from_args(parser.parse_args(argv))
+    return module_main("eval", add_eval_arguments, run_eval_from_args, argv)
 
 
 if __name__ == "__main__":

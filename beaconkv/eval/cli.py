@@ -4,7 +4,9 @@
 
 :func:`add_eval_arguments` fills any ``argparse`` parser (the ``beaconkv`` CLI mounts it as the
 ``eval`` subcommand); :func:`run_eval_from_args` turns the parsed namespace into an
-:class:`~beaconkv.eval.runner.EvalConfig`, runs it and prints the summary table on rank 0.
+:class:`~beaconkv.eval.config.EvalConfig`, runs it and prints the summary table on rank 0. Wrong
+input is raised, not printed: :func:`beaconkv.command.run_command`, which runs every subcommand,
+reports it as one line ``beaconkv eval: error: ...`` with exit status 2.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import json
 import sys
 from typing import Any
 
-from beaconkv.eval.datasets import BENCHMARKS
-from beaconkv.eval.errors import EvalError
-from beaconkv.eval.runner import EvalConfig, EvalReport, run_eval
+from beaconkv.arguments import add_kv_storage_argument
+from beaconkv.eval.benchmarks import BENCHMARKS
+from beaconkv.eval.config import DTYPE_CHOICES, EvalConfig
+from beaconkv.eval.runner import EvalReport, run_eval
 
 __all__ = ["add_eval_arguments", "config_from_args", "run_eval_from_args"]
 
@@ -25,8 +28,12 @@ examples:
   beaconkv eval --model deepseek-ai/DeepSeek-R1-Distill-Qwen-7B --benchmark aime24 \\
       --policy beacon --budget 1024 --samples 8 --max-new-tokens 32768 --out results/
   torchrun --nproc-per-node 8 -m beaconkv.eval --model ... --benchmark math500 --out results/
-  python -m beaconkv.eval --model embedded --benchmark aime24 \\
-      --data ../shared/data/aime24.jsonl --limit 2 --max-new-tokens 64 --policy full
+  python -m beaconkv.eval --model embedded --benchmark aime24 --limit 2 \\
+      --max-new-tokens 64 --policy full
+
+AIME24 and MATH-500 are read from the project's data/ folder unless --data FILE or a hub
+location (--hub-repo, --hub-file, --hub-revision) names another source; the other
+benchmarks come from the hub (or --data FILE).
 
 Re-running the same command skips finished samples; results go to
 <out>/<benchmark>__<policy>__b<budget>.jsonl and the table to <out>/summary.md.
@@ -58,6 +65,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     Returns:
         The same parser.
     """
+    parser.description = parser.description or (
+        "Evaluate a reasoning model with a compressed KV cache on a benchmark."
+    )
     parser.epilog = _EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     names = ", ".join(f"{n} ({s.description})" for n, s in BENCHMARKS.items())
@@ -65,7 +75,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     data.add_argument("--model", required=True, help="checkpoint folder, hub model id, or 'embedded'")
     data.add_argument("--benchmark", required=True, help=f"one of: {names}")
     data.add_argument(
-        "--data", help="local .jsonl/.json/.csv/.parquet file; default: the benchmark's hub file"
+        "--data",
+        help="local .jsonl/.json/.csv/.parquet file; default: the project's data/<benchmark>.jsonl "
+        "(aime24, math500), else the benchmark's hub file",
     )
     data.add_argument("--hub-repo", help="hub dataset repository overriding the default")
     data.add_argument("--hub-file", help="file in the hub repository overriding the default")
@@ -79,7 +91,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="map a role (id, question, answer, solution, choices, starter_code, public_tests, "
         "private_tests, metadata) to a column; choices take CORRECT,WRONG1,...",
     )
-    data.add_argument("--limit", type=int, help="only the first N problems")
+    data.add_argument("--limit", type=int, help="only the first N problems (N >= 1)")
 
     policy = parser.add_argument_group("KV cache policy")
     policy.add_argument(
@@ -97,6 +109,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="extra policy argument (VALUE parsed as JSON, else a string), e.g. aggregation=mean",
     )
     policy.add_argument("--tag", help="label of a policy variant in file names and the table")
+    add_kv_storage_argument(policy)
 
     gen = parser.add_argument_group("sampling (defaults: the paper's)")
     gen.add_argument(
@@ -120,7 +133,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     run = parser.add_argument_group("run")
     run.add_argument("--out", default="results", help="results folder (default: results)")
     run.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    run.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    run.add_argument(
+        "--dtype",
+        default="auto",
+        help=f"{', '.join(DTYPE_CHOICES)} (default: auto = bfloat16 on CUDA, float32 on CPU)",
+    )
     run.add_argument("--save-token-ids", action="store_true", help="store generated token ids")
     run.add_argument("--code-timeout", type=float, default=6.0, help="seconds per code test")
     run.add_argument("--code-memory-mb", type=int, default=1024, help="memory per code test")
@@ -169,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         out_dir=args.out,
         dtype=args.dtype,
         device=args.device,
+        kv_storage=args.kv_storage,
         enable_thinking={"auto": None, "true": True, "false": False}[args.enable_thinking],
         save_token_ids=args.save_token_ids,
         code_timeout_s=args.code_timeout,
@@ -181,25 +199,25 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
 def run_eval_from_args(args: argparse.Namespace) -> int:
     """Run the evaluation described by parsed arguments and print the summary (rank 0).
 
+    Wrong input is raised, never printed here: run through :func:`beaconkv.command.run_command`
+    (as ``beaconkv eval`` and ``python -m beaconkv.eval`` do), it becomes one line
+    ``beaconkv eval: error: <message>`` and exit status 2.
+
     Args:
         args: Namespace from a parser filled by :func:`add_eval_arguments`.
 
     Returns:
-        The process exit status: 0, or 2 after a usage or data error (printed as one line).
-    """
-    from beaconkv.policies import PolicyConfigError
+        The process exit status, 0.
 
-    try:
-        config = config_from_args(args)
-        report: EvalReport = run_eval(config)
-    except (EvalError, PolicyConfigError, FileNotFoundError) as exc:
-        print(f"beaconkv eval: error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # EvalConfig's checks of the numbers
-        if "config" in locals():
-            raise
-        print(f"beaconkv eval: error: {exc}", file=sys.stderr)
-        return 2
+    Raises:
+        ValueError: A value out of range or unknown (``--limit``, ``--dtype``, ``--budget`` ...),
+            an unknown benchmark, an unusable data file, or results made with other settings
+            (the :class:`~beaconkv.eval.errors.EvalError` family).
+        PolicyConfigError: Unknown policy or policy argument.
+        FileNotFoundError: The data file or the model checkpoint does not exist.
+    """
+    config = config_from_args(args)
+    report: EvalReport = run_eval(config)
     if report.rank == 0:
         who = "" if report.world_size == 1 else f"rank 0 of {report.world_size}: "
         print(

@@ -23,8 +23,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from beaconkv.eval.datasets import CodeTest
-from beaconkv.eval.grading import Grade
+from beaconkv.eval.benchmarks import CodeTest
+from beaconkv.eval.grade import Grade
 from beaconkv.eval.sandbox import SandboxLimits, SandboxResult, run_python
 
 __all__ = ["extract_code", "grade_code", "outputs_match", "run_test"]

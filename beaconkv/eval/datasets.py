@@ -1,18 +1,24 @@
-"""Benchmark loaders: read a local file or a hub dataset file into :class:`Problem` records.
+"""Benchmark loaders: read the project's data, a local file or a hub dataset file into problems.
 
-A benchmark is a :class:`BenchmarkSpec`: its kind (math, multiple choice, code), a field map saying
-which column holds the id, question, answer, choices and tests, and a default file on the Hugging
-Face hub. Local files may be JSONL, JSON, CSV or parquet (parquet needs ``pyarrow``).
+Which benchmarks exist, and the :class:`~beaconkv.eval.benchmarks.Problem` records this module
+produces, are described in :mod:`beaconkv.eval.benchmarks`. Local files may be JSONL, JSON, CSV or
+parquet (parquet needs ``pyarrow``). A file without a single record is refused, naming the file.
 
-Default hub files (downloaded with ``huggingface_hub.hf_hub_download(..., repo_type="dataset")``
-only when no local path is given; ``--hub-repo``/``--hub-file``/``--hub-revision`` override them):
+Where the problems come from, first match wins:
 
-* ``aime24``: ``HuggingFaceH4/aime_2024``, ``data/train-00000-of-00001.parquet``
-* ``math500``: ``HuggingFaceH4/MATH-500``, ``test.jsonl``
-* ``gpqa_diamond``: ``Idavidrein/gpqa`` (gated), ``gpqa_diamond.csv``
-* ``livecodebench``: ``livecodebench/code_generation_lite``, ``test.jsonl`` (release v1;
-  ``test2.jsonl`` ... ``test6.jsonl`` hold the problems added by later releases)
-* ``math``: no default; any local file with problem/answer columns.
+1. a file given explicitly (``--data FILE``);
+2. a hub location given explicitly (``--hub-repo``/``--hub-file``/``--hub-revision``);
+3. the project's own copy, :func:`beaconkv.paths.benchmark_file`: ``<repo>/data/aime24.jsonl`` and
+   ``<repo>/data/math500.jsonl`` (``$BEACONKV_DATA`` moves the folder), when the file exists;
+4. the benchmark's default hub file, downloaded with
+   ``huggingface_hub.hf_hub_download(..., repo_type="dataset")``:
+
+   * ``aime24``: ``HuggingFaceH4/aime_2024``, ``data/train-00000-of-00001.parquet``
+   * ``math500``: ``HuggingFaceH4/MATH-500``, ``test.jsonl``
+   * ``gpqa_diamond``: ``Idavidrein/gpqa`` (gated), ``gpqa_diamond.csv``
+   * ``livecodebench``: ``livecodebench/code_generation_lite``, ``test.jsonl`` (release v1;
+     ``test2.jsonl`` ... ``test6.jsonl`` hold the problems added by later releases)
+   * ``math``: no default; any local file with problem/answer columns.
 
 GPQA is gated: accept its terms on https://huggingface.co/datasets/Idavidrein/gpqa, then log in
 (``huggingface-cli login``) or set ``HF_TOKEN``; or download ``gpqa_diamond.csv`` once and pass it
@@ -32,219 +38,28 @@ import json
 import pickle
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from beaconkv.eval.answers import extract_last_boxed
+from beaconkv.eval.benchmarks import BenchmarkSpec, CodeTest, Problem, get_benchmark
 from beaconkv.eval.errors import (
     DatasetAccessError,
     DatasetFormatError,
     MissingFieldError,
-    UnknownBenchmarkError,
 )
+from beaconkv.paths import benchmark_file
 
 __all__ = [
-    "BENCHMARKS",
-    "BenchmarkSpec",
-    "CodeTest",
-    "Problem",
     "download_from_hub",
-    "get_benchmark",
     "load_benchmark",
+    "local_data_file",
     "read_records",
     "records_to_problems",
 ]
 
-BenchmarkKind = Literal["math", "choice", "code"]
-
-#: Suffixes :func:`read_records` understands.
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
-
-
-@dataclass(frozen=True)
-class CodeTest:
-    """One test of a code problem.
-
-    Attributes:
-        input: The program's stdin (``kind="stdin"``), or one JSON value per line, the arguments of
-            the function call (``kind="functional"``).
-        output: The expected stdout, or the JSON of the expected return value.
-        kind: ``"stdin"`` or ``"functional"``.
-    """
-
-    input: str
-    output: str
-    kind: Literal["stdin", "functional"] = "stdin"
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One benchmark problem, independent of the file it came from.
-
-    Attributes:
-        benchmark: Registered benchmark name, e.g. ``"aime24"``.
-        id: Problem id as a string (the dataset's id column, or the row index if it has none).
-        question: The problem statement.
-        answer: Gold answer: a LaTeX/plain answer for math, the correct choice's text for multiple
-            choice, ``None`` for code.
-        choices: Multiple choice only: every option, the correct one first (dataset order).
-        starter_code: Code only: the starter code to complete ('' if none).
-        tests: Code only: public and private tests.
-        fn_name: Code only: the function (method of ``Solution``) that functional tests call.
-        metadata: Other columns worth keeping (subject, level, url, ...).
-    """
-
-    benchmark: str
-    id: str
-    question: str
-    answer: str | None = None
-    choices: tuple[str, ...] = ()
-    starter_code: str = ""
-    tests: tuple[CodeTest, ...] = ()
-    fn_name: str | None = None
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class BenchmarkSpec:
-    """How to read and prompt one benchmark.
-
-    Attributes:
-        name: Canonical name (lower case, underscores).
-        kind: ``"math"`` (boxed answer), ``"choice"`` (letter) or ``"code"`` (program + tests).
-        fields: Role -> candidate column names; the first column present in a record is used.
-            Roles: ``id``, ``question``, ``answer``, ``solution`` (math fallback when no answer
-            column: its last ``\\boxed{}``), ``choices`` (multiple choice: every candidate column
-            is one option, the correct one first), ``starter_code``, ``public_tests``,
-            ``private_tests``, ``metadata`` (code).
-        hub_repo: Default hub dataset repository, or ``None`` when the benchmark needs a local file.
-        hub_file: File inside ``hub_repo``.
-        default_samples: Samples per problem used by the paper (AIME24: 8, others: 4).
-        keep: Extra columns copied into :attr:`Problem.metadata`.
-        gated: Whether the hub repository requires accepting terms first.
-        description: One line for ``--help``.
-    """
-
-    name: str
-    kind: BenchmarkKind
-    fields: Mapping[str, tuple[str, ...]]
-    hub_repo: str | None = None
-    hub_file: str | None = None
-    default_samples: int = 4
-    keep: tuple[str, ...] = ()
-    gated: bool = False
-    description: str = ""
-
-
-_MATH_FIELDS: dict[str, tuple[str, ...]] = {
-    "id": ("id", "unique_id", "problem_id", "idx", "ID"),
-    "question": ("problem", "question", "Problem", "Question"),
-    "answer": ("answer", "Answer", "final_answer", "expected_answer"),
-    "solution": ("solution", "Solution"),
-}
-
-BENCHMARKS: dict[str, BenchmarkSpec] = {
-    spec.name: spec
-    for spec in (
-        BenchmarkSpec(
-            name="aime24",
-            kind="math",
-            fields=_MATH_FIELDS,
-            hub_repo="HuggingFaceH4/aime_2024",
-            hub_file="data/train-00000-of-00001.parquet",
-            default_samples=8,
-            keep=("url", "year"),
-            description="AIME 2024, 30 problems, integer answers (paper: pass@1 over 8 samples).",
-        ),
-        BenchmarkSpec(
-            name="math500",
-            kind="math",
-            fields=_MATH_FIELDS,
-            hub_repo="HuggingFaceH4/MATH-500",
-            hub_file="test.jsonl",
-            keep=("subject", "level"),
-            description="MATH-500 test problems, LaTeX answers.",
-        ),
-        BenchmarkSpec(
-            name="gpqa_diamond",
-            kind="choice",
-            fields={
-                "id": ("Record ID", "id", "record_id"),
-                "question": ("Question", "question"),
-                "choices": (
-                    "Correct Answer",
-                    "Incorrect Answer 1",
-                    "Incorrect Answer 2",
-                    "Incorrect Answer 3",
-                ),
-            },
-            hub_repo="Idavidrein/gpqa",
-            hub_file="gpqa_diamond.csv",
-            keep=("High-level domain", "Subdomain"),
-            gated=True,
-            description="GPQA-Diamond, 198 four-way multiple choice questions (gated on the hub).",
-        ),
-        BenchmarkSpec(
-            name="livecodebench",
-            kind="code",
-            fields={
-                "id": ("question_id", "id", "task_id"),
-                "question": ("question_content", "question", "problem"),
-                "starter_code": ("starter_code",),
-                "public_tests": ("public_test_cases",),
-                "private_tests": ("private_test_cases",),
-                "metadata": ("metadata",),
-            },
-            hub_repo="livecodebench/code_generation_lite",
-            hub_file="test.jsonl",
-            keep=("question_title", "platform", "contest_date", "difficulty"),
-            description="LiveCodeBench code generation (stdin programs and LeetCode-style functions).",
-        ),
-        BenchmarkSpec(
-            name="math",
-            kind="math",
-            fields=_MATH_FIELDS,
-            description="Any math file with problem/answer columns (needs a local file).",
-        ),
-    )
-}
-"""The built-in benchmarks by name (``aime24``, ``math500``, ``gpqa_diamond``, ``livecodebench`` ...)."""
-
-_ALIASES = {
-    "aime": "aime24",
-    "aime2024": "aime24",
-    "aime_2024": "aime24",
-    "math_500": "math500",
-    "gpqa": "gpqa_diamond",
-    "gpqadiamond": "gpqa_diamond",
-    "lcb": "livecodebench",
-    "live_code_bench": "livecodebench",
-    "code_generation_lite": "livecodebench",
-}
-
-
-def get_benchmark(name: str) -> BenchmarkSpec:
-    """Return the spec of a benchmark by name or alias (case and ``-``/``_`` insensitive).
-
-    Args:
-        name: E.g. ``"aime24"``, ``"MATH-500"``, ``"gpqa"``, ``"lcb"``.
-
-    Returns:
-        The registered :class:`BenchmarkSpec`.
-
-    Raises:
-        UnknownBenchmarkError: If the name is not registered.
-    """
-    key = name.strip().lower().replace("-", "_")
-    key = _ALIASES.get(key, key)
-    if key not in BENCHMARKS:
-        known = ", ".join(sorted(BENCHMARKS))
-        raise UnknownBenchmarkError(
-            f"unknown benchmark {name!r}; choose one of: {known} "
-            f"(aliases: {', '.join(sorted(_ALIASES))}). For another math data set use "
-            f"--benchmark math --data FILE."
-        )
-    return BENCHMARKS[key]
+"""Suffixes :func:`read_records` understands."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -451,12 +266,6 @@ def _decode_lcb_tests(value: Any, *, where: str) -> list[dict[str, Any]]:
     return json.loads(obj) if isinstance(obj, str) else obj
 
 
-def _answer_from_solution(solution: str) -> str | None:
-    from beaconkv.eval.grading import extract_last_boxed
-
-    return extract_last_boxed(solution)
-
-
 def records_to_problems(
     records: Sequence[Mapping[str, Any]],
     spec: BenchmarkSpec,
@@ -501,7 +310,7 @@ def records_to_problems(
             answer = _pick(record, "answer", fields.get("answer", ()), where=where, required=False)
             if answer is None:
                 solution = _pick(record, "answer", fields.get("solution", ()), where=where)
-                answer = _answer_from_solution(str(solution))
+                answer = extract_last_boxed(str(solution))
                 if answer is None:
                     raise MissingFieldError(
                         f"{where}: no answer column and no \\boxed{{}} in the solution; "
@@ -562,6 +371,23 @@ def records_to_problems(
     return problems
 
 
+def local_data_file(spec: BenchmarkSpec) -> Path | None:
+    """The project's own copy of a benchmark's problems, if it ships one and the file exists.
+
+    Args:
+        spec: The benchmark.
+
+    Returns:
+        :func:`beaconkv.paths.benchmark_file` of ``spec.local_file`` (``<repo>/data/aime24.jsonl``,
+        ``<repo>/data/math500.jsonl``), or ``None`` when the benchmark has no local copy or the
+        file is absent.
+    """
+    if spec.local_file is None:
+        return None
+    path = benchmark_file(spec.local_file)
+    return path if path.is_file() else None
+
+
 def load_benchmark(
     name: str,
     path: str | Path | None = None,
@@ -572,27 +398,38 @@ def load_benchmark(
     field_map: Mapping[str, str | Sequence[str]] | None = None,
     limit: int | None = None,
 ) -> list[Problem]:
-    """Load a benchmark's problems from a local file or from the hub.
+    """Load a benchmark's problems from a local file, the project's data folder or the hub.
 
     Args:
-        name: Benchmark name or alias (see :data:`BENCHMARKS`).
-        path: Local data file. When ``None`` the file is downloaded from the hub.
+        name: Benchmark name or alias (see :data:`beaconkv.eval.benchmarks.BENCHMARKS`).
+        path: Local data file. When ``None``: the hub location if one of ``hub_repo``,
+            ``hub_file``, ``hub_revision`` is given, else the project's copy
+            (:func:`local_data_file`) if there is one, else the benchmark's default hub file.
         hub_repo: Hub dataset repository (default: the benchmark's).
         hub_file: File in that repository (default: the benchmark's).
         hub_revision: Branch, tag or commit of the hub repository.
         field_map: Column overrides (role -> column), see :func:`records_to_problems`.
-        limit: Keep only the first ``limit`` problems.
+        limit: Keep only the first ``limit`` problems (``>= 1``).
 
     Returns:
-        The problems in file order.
+        The problems in file order (at least one).
 
     Raises:
         UnknownBenchmarkError: Unknown ``name``.
         DatasetAccessError: No local file and no hub default, or a failed download.
-        DatasetFormatError: Unreadable file.
+        DatasetFormatError: Unreadable file, or a file without a single record.
         MissingFieldError: A required column is missing.
+        ValueError: ``limit`` below 1.
     """
     spec = get_benchmark(name)
+    if limit is not None and limit < 1:
+        raise ValueError(
+            f"limit={limit} must be >= 1; pass --limit N with N >= 1, or leave it out to "
+            f"evaluate every problem"
+        )
+    hub_requested = any(v is not None for v in (hub_repo, hub_file, hub_revision))
+    if path is None and not hub_requested:
+        path = local_data_file(spec)
     if path is None:
         repo = hub_repo or spec.hub_repo
         filename = hub_file or spec.hub_file
@@ -605,10 +442,20 @@ def load_benchmark(
         source = f"hf://datasets/{repo}/{filename}"
     else:
         source = str(path)
-    problems = records_to_problems(read_records(path), spec, field_map=field_map, source=source)
+    records = read_records(path)
+    if not records:
+        what = (
+            "is empty"
+            if Path(path).stat().st_size == 0
+            else "holds no records (only blank lines, a header or an empty list)"
+        )
+        unit = "line" if Path(path).suffix.lower() == ".jsonl" else "row"
+        raise DatasetFormatError(
+            f"data file {source!r} {what}; {spec.name} needs one problem per {unit}. "
+            f"Fix: pass a file with problems (--data FILE)"
+            + (" or leave --data out to read the project's copy" if spec.local_file else "")
+        )
+    problems = records_to_problems(records, spec, field_map=field_map, source=source)
     if limit is not None:
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
         problems = problems[:limit]
     return problems
-

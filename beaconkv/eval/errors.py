@@ -1,31 +1,33 @@
 """Exceptions raised by the evaluation harness.
 
 Every error names the offending value and says how to fix it, so that a failed
-``beaconkv eval`` run can be corrected from its last line of output.
+``beaconkv eval`` run can be corrected from its last line of output. :class:`EvalError` is a
+:class:`ValueError`: the ``beaconkv`` command line (:func:`beaconkv.command.run_command`) reports
+every one of them as a user error, in one line with exit status 2.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "EvalError",
-    "UnknownBenchmarkError",
-    "DatasetFormatError",
-    "MissingFieldError",
     "DatasetAccessError",
+    "DatasetFormatError",
+    "EvalError",
+    "MissingFieldError",
     "ResultsConflictError",
+    "UnknownBenchmarkError",
 ]
 
 
-class EvalError(Exception):
-    """Base class of every error raised by :mod:`beaconkv.eval`."""
+class EvalError(ValueError):
+    """Base class of every error raised by :mod:`beaconkv.eval`: wrong input, reported in one line."""
 
 
-class UnknownBenchmarkError(EvalError, ValueError):
-    """A benchmark name that is not registered in :data:`beaconkv.eval.datasets.BENCHMARKS`."""
+class UnknownBenchmarkError(EvalError):
+    """A benchmark name that is not registered in :data:`beaconkv.eval.benchmarks.BENCHMARKS`."""
 
 
-class DatasetFormatError(EvalError, ValueError):
-    """A data file that cannot be read: unknown suffix, malformed line, wrong layout."""
+class DatasetFormatError(EvalError):
+    """A data file that cannot be used: unknown suffix, malformed line, wrong layout, no records."""
 
 
 class MissingFieldError(EvalError, KeyError):

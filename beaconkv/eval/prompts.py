@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from beaconkv.eval.datasets import Problem, get_benchmark
+from beaconkv.eval.benchmarks import Problem, get_benchmark
 from beaconkv.eval.seeds import derive_seed
 
 __all__ = [

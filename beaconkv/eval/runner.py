@@ -15,33 +15,44 @@ evictions, cache_capacity, seconds, batch_size, text`` and, with ``save_token_id
 plus ``settings`` (what must match for a resume). ``peak_cache_tokens``, ``evictions`` and
 ``seconds`` are those of the generate call, shared by the samples of a batch.
 
-The model is loaded only if some sample is still missing, so re-running a finished command just
-rebuilds the summary. The generate function is injectable (:class:`GenerationBackend`) so the loop
-can be tested without a model.
+The policy is built and checked (:meth:`~beaconkv.eval.config.EvalConfig.make_policy`) before
+anything is loaded; one policy object serves every generate call. The model is loaded only if some
+sample is still missing, so re-running a finished command just rebuilds the summary, and the
+results folder is made only once the model is loaded. The generate function is injectable
+(:class:`~beaconkv.eval.backend.GenerationBackend`) so the loop can be tested without a model.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
-from beaconkv.eval.datasets import Problem, get_benchmark, load_benchmark
+from beaconkv.eval.backend import (
+    GenerationBackend,
+    load_backend,
+    resolve_device,
+    resolve_eval_dtype,
+)
+from beaconkv.eval.benchmarks import Problem, get_benchmark
+from beaconkv.eval.config import EvalConfig
+from beaconkv.eval.datasets import load_benchmark
 from beaconkv.eval.distributed import (
     DistContext,
     barrier,
     init_distributed,
     shutdown_distributed,
 )
-from beaconkv.eval.grading import grade_response
+from beaconkv.eval.errors import DatasetFormatError
 from beaconkv.eval.prompts import build_prompt, render_chat
+from beaconkv.eval.response_grading import grade_response
 from beaconkv.eval.results import (
     load_done,
     merge_results,
@@ -53,145 +64,9 @@ from beaconkv.eval.results import (
 from beaconkv.eval.sandbox import SandboxLimits
 from beaconkv.eval.seeds import derive_seed
 from beaconkv.eval.summary import SummaryRow, write_summary
+from beaconkv.policies import EvictionPolicy
 
-__all__ = [
-    "EvalConfig",
-    "EvalReport",
-    "GenerationBackend",
-    "WorkUnit",
-    "load_backend",
-    "make_policy_factory",
-    "plan_units",
-    "run_eval",
-]
-
-
-@dataclass
-class EvalConfig:
-    """Everything that defines an evaluation run.
-
-    Attributes:
-        model: Local checkpoint folder, hub model id, or ``"embedded"`` (the bundled SmolLM2-135M).
-        benchmark: Benchmark name (see :data:`beaconkv.eval.datasets.BENCHMARKS`).
-        data: Local data file; ``None`` downloads the benchmark's default hub file.
-        hub_repo: Hub dataset repository overriding the benchmark's default.
-        hub_file: File in the hub repository overriding the default.
-        hub_revision: Branch, tag or commit of the hub repository.
-        field_map: Column overrides, role -> column(s).
-        limit: Evaluate only the first ``limit`` problems.
-        policy: KV policy name (``full``, ``beacon``, ``snapkv``, ``rpc``, ``rkv``, ``h2o``,
-            ``streaming``, ``initial_recent``).
-        budget: KV budget (ignored and recorded as ``None`` for ``full``).
-        policy_kwargs: Extra keyword arguments for ``make_policy``.
-        tag: Label distinguishing variants of one policy in file names and tables.
-        samples: Samples per problem; ``None`` uses the benchmark's default (AIME24 8, others 4).
-        max_new_tokens: Generation limit per sample.
-        temperature: Sampling temperature (paper: 0.6).
-        top_p: Nucleus sampling threshold (paper: 0.95).
-        top_k: Top-k (0: off).
-        seed: Base seed of every per-sample seed and of the GPQA choice shuffle.
-        batch_size: Samples of one problem generated together.
-        out_dir: Results folder.
-        dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``,
-            ``"float16"``.
-        device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (each rank uses ``cuda:<local rank>``).
-        enable_thinking: Passed to the chat template when not ``None``.
-        save_token_ids: Store the generated token ids in each record.
-        code_timeout_s: Wall time limit per code test.
-        code_memory_mb: Memory limit per code test.
-        progress: Show progress bars.
-        dist_timeout_min: Timeout of distributed collectives (the final barrier), in minutes.
-    """
-
-    model: str
-    benchmark: str
-    data: str | Path | None = None
-    hub_repo: str | None = None
-    hub_file: str | None = None
-    hub_revision: str | None = None
-    field_map: dict[str, str | list[str]] = field(default_factory=dict)
-    limit: int | None = None
-    policy: str = "beacon"
-    budget: int | None = 1024
-    policy_kwargs: dict[str, Any] = field(default_factory=dict)
-    tag: str | None = None
-    samples: int | None = None
-    max_new_tokens: int = 32768
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 0
-    seed: int = 0
-    batch_size: int = 1
-    out_dir: str | Path = "results"
-    dtype: str = "auto"
-    device: str = "auto"
-    enable_thinking: bool | None = None
-    save_token_ids: bool = False
-    code_timeout_s: float = 6.0
-    code_memory_mb: int = 1024
-    progress: bool = True
-    dist_timeout_min: float = 24 * 60
-
-    def __post_init__(self) -> None:
-        self.policy = self.policy.strip().lower()
-        for name in ("max_new_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.samples is not None and self.samples < 1:
-            raise ValueError(f"samples must be >= 1, got {self.samples}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not self.is_full and (self.budget is None or self.budget < 1):
-            raise ValueError(
-                f"policy {self.policy!r} needs a budget >= 1, got {self.budget}; "
-                f"pass --budget N (or --policy full for no eviction)"
-            )
-
-    @property
-    def is_full(self) -> bool:
-        """Whether the policy is FullKV (no eviction, no budget)."""
-        return self.policy.lower() in ("full", "fullkv")
-
-    @property
-    def effective_budget(self) -> int | None:
-        """The budget as recorded: ``None`` for FullKV."""
-        return None if self.is_full else self.budget
-
-    def settings(self) -> dict[str, Any]:
-        """The settings that must match for a resume (stored in every record).
-
-        Returns:
-            A JSON-serialisable dict.
-        """
-        return {
-            "model": self.model,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "batch_size": self.batch_size,
-            "policy_kwargs": json.loads(json.dumps(self.policy_kwargs, sort_keys=True)),
-            "enable_thinking": self.enable_thinking,
-        }
-
-
-@dataclass
-class GenerationBackend:
-    """What the loop needs from a model: a tokenizer with a chat template and a generate function.
-
-    Attributes:
-        tokenizer: Has ``apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``.
-        generate: ``generate(prompts, *, max_new_tokens, temperature, top_p, top_k, seed, policy)``
-            returning an object with ``token_ids``, ``texts``, ``finish_reasons`` and ``stats``
-            (``prompt_tokens``, ``new_tokens``, ``cache_capacity``, ``evictions``,
-            ``peak_cache_tokens``, ``wall_time_s``), like :func:`beaconkv.generate`.
-    """
-
-    tokenizer: Any
-    generate: Callable[..., Any]
+__all__ = ["EvalReport", "WorkUnit", "plan_units", "run_eval"]
 
 
 @dataclass(frozen=True)
@@ -257,70 +132,6 @@ def plan_units(problems: Sequence[Problem], samples: int, batch_size: int) -> li
     return units
 
 
-def make_policy_factory(config: EvalConfig) -> Callable[[], Any]:
-    """Return a function building a fresh policy per generate call (``None`` for FullKV).
-
-    The factory is called once here, so an unknown policy or a bad budget fails before the model
-    is loaded.
-
-    Args:
-        config: The run's configuration.
-
-    Returns:
-        A zero-argument callable.
-    """
-    if config.is_full and not config.policy_kwargs:
-        return lambda: None
-    from beaconkv.policies import make_policy
-
-    factory = functools.partial(
-        make_policy, config.policy, budget=config.budget, **config.policy_kwargs
-    )
-    factory()
-    return factory
-
-
-def _resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _resolve_dtype(dtype: str, device: str) -> Any:
-    import torch
-
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    try:
-        value = getattr(torch, dtype)
-    except AttributeError:
-        value = None
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
-    return value
-
-
-def load_backend(model: str, *, device: str, dtype: Any) -> GenerationBackend:
-    """Load a model and tokenizer with the core library and wrap :func:`beaconkv.generate`.
-
-    Args:
-        model: Checkpoint folder, hub id, or ``"embedded"``.
-        device: Torch device string.
-        dtype: Torch dtype of the weights.
-
-    Returns:
-        The :class:`GenerationBackend`.
-    """
-    import beaconkv
-
-    path = str(beaconkv.embedded_model_path()) if model == "embedded" else model
-    loaded = beaconkv.load_model(path, dtype=dtype, device=device)
-    tokenizer = beaconkv.load_tokenizer(path)
-    return GenerationBackend(tokenizer, functools.partial(beaconkv.generate, loaded, tokenizer))
-
-
 def _stat(stats: Any, name: str, i: int, default: Any = 0) -> Any:
     value = getattr(stats, name, default) if stats is not None else default
     if isinstance(value, (list, tuple)):
@@ -336,25 +147,34 @@ def run_eval(
 ) -> EvalReport:
     """Run (or resume) an evaluation, sharded over the ranks of the process group if any.
 
+    The benchmark and the policy are checked first, then the problems are loaded; the model only
+    if some sample is missing, and the results folder is made only after that.
+
     Args:
         config: The run's configuration.
         backend: Generation backend; ``None`` loads ``config.model`` with the core library (only
             if some sample is missing).
-        problems: The problems; ``None`` loads them with :func:`load_benchmark`.
+        problems: The problems; ``None`` loads them with
+            :func:`~beaconkv.eval.datasets.load_benchmark`.
 
     Returns:
         The :class:`EvalReport` of this rank.
 
     Raises:
+        UnknownBenchmarkError: ``config.benchmark`` is not registered.
+        PolicyConfigError: Unknown policy or parameter, or a budget the policy rejects.
+        DatasetFormatError: No problem to evaluate (an empty data file, or ``problems=[]``).
         ResultsConflictError: If ``out_dir`` holds results of this benchmark/policy/budget made
             with other settings.
+        FileNotFoundError: The data file or the model checkpoint does not exist.
     """
     spec = get_benchmark(config.benchmark)
+    policy = config.make_policy()
     samples = config.samples or spec.default_samples
-    device = _resolve_device(config.device)
+    device = resolve_device(config.device)
     ctx = init_distributed(device, timeout_min=config.dist_timeout_min)
     try:
-        return _run(config, spec.name, samples, device, ctx, backend, problems)
+        return _run(config, spec.name, samples, device, policy, ctx, backend, problems)
     finally:
         shutdown_distributed(ctx)
 
@@ -364,13 +184,12 @@ def _run(
     benchmark: str,
     samples: int,
     device: str,
+    policy: EvictionPolicy | None,
     ctx: DistContext,
     backend: GenerationBackend | None,
     problems: Sequence[Problem] | None,
 ) -> EvalReport:
     if device.startswith("cuda") and ctx.world_size > 1:
-        import torch
-
         device = f"cuda:{ctx.local_rank}"
         torch.cuda.set_device(device)
     if problems is None:
@@ -385,14 +204,16 @@ def _run(
         )
     elif config.limit is not None:
         problems = list(problems)[: config.limit]
-    policy_factory = make_policy_factory(config)
+    if not problems:
+        raise DatasetFormatError(
+            f"no problems to evaluate for benchmark {benchmark!r}; pass at least one problem"
+        )
     label = policy_label(config.policy, config.tag)
     budget = config.effective_budget
     settings = config.settings()
     out_dir = Path(config.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = results_stem(benchmark, label, budget)
-    done = load_done(out_dir, stem, settings)
+    done = load_done(out_dir, stem, settings, rank=ctx.rank, world_size=ctx.world_size)
 
     def key(problem: Problem, idx: int) -> tuple:
         return (benchmark, problem.id, idx, label, budget)
@@ -405,8 +226,9 @@ def _run(
     if pending:
         if backend is None:
             backend = load_backend(
-                config.model, device=device, dtype=_resolve_dtype(config.dtype, device)
+                config.model, device=device, dtype=resolve_eval_dtype(config.dtype, device)
             )
+        out_dir.mkdir(parents=True, exist_ok=True)
         limits = SandboxLimits(timeout_s=config.code_timeout_s, memory_mb=config.code_memory_mb)
         part = rank_file(out_dir, stem, ctx.rank)
         desc = f"{benchmark} {label}" + ("" if budget is None else f"@{budget}")
@@ -443,7 +265,8 @@ def _run(
                     top_p=config.top_p,
                     top_k=config.top_k,
                     seed=seed,
-                    policy=policy_factory(),
+                    policy=policy,
+                    kv_storage=config.kv_storage,
                 )
                 stats = getattr(out, "stats", None)
                 for i, sample_idx in enumerate(unit.sample_indices):
@@ -489,6 +312,7 @@ def _run(
     table = ""
     merged = out_dir / f"{stem}.jsonl"
     if ctx.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
         merged = merge_results(out_dir, stem)
         rows, table = write_summary(out_dir)
     return EvalReport(
@@ -500,16 +324,3 @@ def _run(
         rank=ctx.rank,
         world_size=ctx.world_size,
     )
-
-
-
-def __getattr__(name: str) -> Any:
-    """Expose the command line helpers here too (``beaconkv/cli.py`` looks them up on this module).
-
-    They live in :mod:`beaconkv.eval.cli`, which imports this module, hence the lazy lookup.
-    """
-    if name in ("add_eval_arguments", "run_eval_from_args"):
-        from beaconkv.eval import cli
-
-        return getattr(cli, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Shared fixtures of the evaluation tests: the shared data folder and a fake chat tokenizer."""
+"""Shared fixtures of the evaluation tests: the project's data folder and a fake chat tokenizer."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
-# <repo>/tests/eval/conftest.py -> <repo>/../shared/data (never copied into the project).
-SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+from beaconkv.paths import data_dir
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """The shared data folder with aime24.jsonl and math500.jsonl."""
-    if not (SHARED_DATA / "aime24.jsonl").is_file():
-        pytest.skip(f"shared data not found at {SHARED_DATA}")
-    return SHARED_DATA
+def project_data() -> Path:
+    """The project's own data folder (``beaconkv.paths.data_dir()``): aime24.jsonl, math500.jsonl, traces/."""
+    folder = data_dir()
+    for name in ("aime24.jsonl", "math500.jsonl"):
+        assert (folder / name).is_file(), f"{folder / name} is missing: the project ships it under data/"
+    return folder
 
 
 class FakeChatTokenizer:

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from beaconkv.eval.benchmarks import CodeTest
 from beaconkv.eval.code_grading import extract_code, grade_code, outputs_match
-from beaconkv.eval.datasets import CodeTest
 from beaconkv.eval.sandbox import SandboxLimits, run_python
 
 FAST = SandboxLimits(timeout_s=1.0, memory_mb=512)

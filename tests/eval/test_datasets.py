@@ -1,4 +1,4 @@
-"""Loaders: the shared AIME24 / MATH-500 files, every file format, field maps, the hub path, errors."""
+"""Loaders: the project's AIME24 / MATH-500 files (the default), every file format, field maps, the hub path, errors."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from beaconkv.eval import datasets
-from beaconkv.eval.datasets import get_benchmark, load_benchmark, read_records
+from beaconkv.eval import benchmarks
+from beaconkv.eval.benchmarks import get_benchmark
+from beaconkv.eval.datasets import load_benchmark, local_data_file, read_records
 from beaconkv.eval.errors import (
     DatasetAccessError,
     DatasetFormatError,
@@ -26,8 +27,8 @@ ROWS = [
 ]
 
 
-def test_aime24_from_shared_data(shared_data: Path) -> None:
-    problems = load_benchmark("aime24", shared_data / "aime24.jsonl")
+def test_aime24_from_project_data(project_data: Path) -> None:
+    problems = load_benchmark("aime24", project_data / "aime24.jsonl")
     assert len(problems) == 30
     first = problems[0]
     assert (first.id, first.answer) == ("60", "204")
@@ -35,8 +36,8 @@ def test_aime24_from_shared_data(shared_data: Path) -> None:
     assert "url" in first.metadata
 
 
-def test_math500_from_shared_data(shared_data: Path) -> None:
-    problems = load_benchmark("MATH-500", shared_data / "math500.jsonl", limit=5)
+def test_math500_from_project_data(project_data: Path) -> None:
+    problems = load_benchmark("MATH-500", project_data / "math500.jsonl", limit=5)
     assert len(problems) == 5
     assert problems[0].id == "test/precalculus/807.json"
     assert problems[0].answer == r"\left( 3, \frac{\pi}{2} \right)"
@@ -173,6 +174,7 @@ def test_hub_download_uses_the_documented_defaults(tmp_path: Path, monkeypatch) 
         return str(local)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    monkeypatch.setenv("BEACONKV_DATA", str(tmp_path / "no-local-copy"))  # no project file: the hub
     problems = load_benchmark("math500")
     assert len(problems) == 2
     assert calls == [("HuggingFaceH4/MATH-500", "test.jsonl", "dataset", None)]
@@ -198,6 +200,100 @@ def test_benchmark_without_hub_default_needs_a_file() -> None:
 
 
 def test_registry_defaults() -> None:
-    assert datasets.BENCHMARKS["aime24"].hub_repo == "HuggingFaceH4/aime_2024"
-    assert datasets.BENCHMARKS["aime24"].default_samples == 8
-    assert datasets.BENCHMARKS["gpqa_diamond"].gated
+    assert benchmarks.BENCHMARKS["aime24"].hub_repo == "HuggingFaceH4/aime_2024"
+    assert benchmarks.BENCHMARKS["aime24"].default_samples == 8
+    assert benchmarks.BENCHMARKS["gpqa_diamond"].gated
+    assert benchmarks.BENCHMARKS["aime24"].local_file == "aime24"
+    assert benchmarks.BENCHMARKS["math500"].local_file == "math500"
+
+
+# ------------------------------------------------------------------------------ the project's data
+
+
+def no_hub(monkeypatch) -> None:
+    import huggingface_hub
+
+    def refuse(**kwargs):
+        raise AssertionError(f"hub download although the project has the file: {kwargs}")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", refuse)
+
+
+@pytest.mark.parametrize("name", ["aime24", "aime", "AIME-2024", "aime_2024"])
+def test_aime24_defaults_to_the_project_file(project_data: Path, monkeypatch, name: str) -> None:
+    no_hub(monkeypatch)
+    assert local_data_file(get_benchmark(name)) == project_data / "aime24.jsonl"
+    problems = load_benchmark(name)
+    assert problems == load_benchmark("aime24", project_data / "aime24.jsonl")
+    assert len(problems) == 30 and (problems[0].id, problems[0].answer) == ("60", "204")
+
+
+@pytest.mark.parametrize("name", ["math500", "MATH-500", "math_500"])
+def test_math500_defaults_to_the_project_file(project_data: Path, monkeypatch, name: str) -> None:
+    no_hub(monkeypatch)
+    problems = load_benchmark(name, limit=3)
+    assert [p.id for p in problems] == [p.id for p in load_benchmark("math500", project_data / "math500.jsonl", limit=3)]
+    assert problems[0].id == "test/precalculus/807.json"
+
+
+def test_the_project_data_lies_inside_the_repository(project_data: Path) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    assert project_data.resolve() == (repo / "data").resolve()
+    for name in ("aime24", "math500"):
+        path = local_data_file(get_benchmark(name))
+        assert path is not None and path.resolve().is_relative_to(repo.resolve())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"hub_repo": "me/aime"}, ("me/aime", "data/train-00000-of-00001.parquet", None)),
+        ({"hub_file": "other.jsonl"}, ("HuggingFaceH4/aime_2024", "other.jsonl", None)),
+        ({"hub_revision": "v2"}, ("HuggingFaceH4/aime_2024", "data/train-00000-of-00001.parquet", "v2")),
+    ],
+)
+def test_a_hub_location_overrides_the_project_file(tmp_path: Path, monkeypatch, kwargs, expected) -> None:
+    import huggingface_hub
+
+    local = write(tmp_path / "hub.jsonl", "jsonl", ROWS)
+    calls = []
+
+    def fake_download(repo_id, filename, repo_type, revision):
+        calls.append((repo_id, filename, revision))
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    problems = load_benchmark("aime24", **kwargs)
+    assert calls == [expected] and [p.id for p in problems] == ["1", "2"]
+
+
+def test_benchmarks_without_a_project_copy_still_use_the_hub() -> None:
+    assert local_data_file(get_benchmark("gpqa_diamond")) is None
+    assert local_data_file(get_benchmark("livecodebench")) is None
+    assert local_data_file(get_benchmark("math")) is None
+
+
+# ------------------------------------------------------------------------- files without problems
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("empty.jsonl", "", "is empty"),
+        ("blank.jsonl", "\n\n  \n", "holds no records"),
+        ("header.csv", "id,problem,answer\n", "holds no records"),
+        ("list.json", "[]", "holds no records"),
+    ],
+)
+def test_a_file_without_records_is_refused_naming_it(tmp_path: Path, name: str, content: str, message: str) -> None:
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DatasetFormatError, match=message) as info:
+        load_benchmark("aime24", path)
+    assert str(path) in str(info.value) and "--data FILE" in str(info.value)
+
+
+def test_limit_below_one_is_refused() -> None:
+    for limit in (0, -1):
+        with pytest.raises(ValueError, match=f"limit={limit} must be >= 1.*--limit"):
+            load_benchmark("aime24", limit=limit)

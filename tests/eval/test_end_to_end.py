@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from beaconkv.eval.runner import EvalConfig, load_backend, run_eval
+from beaconkv.cli import main
+from beaconkv.eval.backend import load_backend
+from beaconkv.eval.config import EvalConfig
+from beaconkv.eval.runner import run_eval
 
 REPO = Path(__file__).resolve().parents[2]
 # n_prefix=4 makes the prompt evictable, so even 8 new tokens exercise an eviction.
@@ -38,14 +41,14 @@ def comparable(records: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def single_run(tmp_path_factory, shared_data):
+def single_run(tmp_path_factory, project_data):
     """The reference: one process, one thread, in this interpreter."""
     out = tmp_path_factory.mktemp("single")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the distributed ranks below run with OMP_NUM_THREADS=1
     try:
         backend = load_backend("embedded", device="cpu", dtype=torch.float32)
-        cfg = EvalConfig(model="embedded", data=shared_data / "aime24.jsonl", out_dir=out, progress=False, **ARGS)
+        cfg = EvalConfig(model="embedded", data=project_data / "aime24.jsonl", out_dir=out, progress=False, **ARGS)
         report = run_eval(cfg, backend=backend)
     finally:
         torch.set_num_threads(threads)
@@ -98,12 +101,12 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_merge_to_the_single_process_results(single_run, shared_data, tmp_path) -> None:
+def test_two_processes_merge_to_the_single_process_results(single_run, project_data, tmp_path) -> None:
     _, _, report = single_run
     out = tmp_path / "dist"
     cmd = [
         sys.executable, "-m", "beaconkv.eval", "--model", "embedded", "--benchmark", "aime24",
-        "--data", str(shared_data / "aime24.jsonl"), "--limit", "2", "--samples", "2",
+        "--data", str(project_data / "aime24.jsonl"), "--limit", "2", "--samples", "2",
         "--max-new-tokens", "8", "--policy", POLICY, "--out", str(out), "--save-token-ids",
         "--no-progress", "--dist-timeout-min", "5",
     ]  # fmt: skip
@@ -135,3 +138,24 @@ def test_two_processes_merge_to_the_single_process_results(single_run, shared_da
     assert sorted(p.name for p in out.iterdir()) == sorted([merged.name, "summary.md", "summary.json"])
     assert comparable(read(merged)) == comparable(read(report.results_file))
     shutil.rmtree(out)
+
+
+@pytest.mark.slow
+def test_cli_with_int8_kv_storage_and_the_project_data(tmp_path, capsys) -> None:
+    out = tmp_path / "int8"
+    argv = [
+        "eval", "--model", "embedded", "--benchmark", "aime24", "--limit", "1", "--samples", "1",
+        "--max-new-tokens", "8", "--policy", POLICY, "--budget", str(BUDGET), "--out", str(out),
+        "--device", "cpu", "--kv-storage", "int8", "--no-progress",
+    ]  # fmt: skip
+    argv += [f"--policy-arg={k}={v}" for k, v in POLICY_KWARGS.items()]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(argv) == 0, capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
+    (record,) = read(out / "aime24__beacon__b128.jsonl")
+    assert (record["problem_id"], record["reference"]) == ("60", "204")  # the project's data/aime24.jsonl
+    assert record["settings"]["kv_storage"] == "int8"
+    assert 1 <= record["new_tokens"] <= 8 and record["evictions"] >= 1

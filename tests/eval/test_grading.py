@@ -6,13 +6,8 @@ import json
 
 import pytest
 
-from beaconkv.eval.grading import (
-    extract_choice_letter,
-    extract_last_boxed,
-    grade_choice,
-    grade_math,
-    math_answers_equal,
-)
+from beaconkv.eval.answers import extract_choice_letter, extract_last_boxed
+from beaconkv.eval.grading import grade_choice, grade_math, math_answers_equal
 
 B = r"\boxed"
 
@@ -158,11 +153,10 @@ def test_grade_choice() -> None:
     assert grade_choice("no idea", "B").answer is None
 
 
-def test_real_r1_traces_grade_as_documented(shared_data) -> None:
+def test_real_r1_traces_grade_as_documented(project_data) -> None:
     """10 real DeepSeek-R1-Distill-Qwen-7B AIME24 traces: 6 right, 3 wrong, 1 truncated (SOURCE.md)."""
-    path = shared_data / "traces" / "aime24_r1_distill_qwen_7b.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} not found")
+    path = project_data / "traces" / "aime24_r1_distill_qwen_7b.jsonl"
+    assert path.is_file(), f"{path} is missing: the project ships it under data/traces/"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     verdicts = {str(r["id"]): grade_math(r["output"], r["answer"]) for r in rows}
     right = {pid for pid, g in verdicts.items() if g.correct}

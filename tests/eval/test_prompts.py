@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from beaconkv.eval.datasets import CodeTest, Problem
+from beaconkv.eval.benchmarks import CodeTest, Problem
 from beaconkv.eval.grading import grade_choice
 from beaconkv.eval.prompts import (
     MATH_INSTRUCTION,

@@ -4,70 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from beaconkv.eval import runner
+from beaconkv.eval.backend import GenerationBackend
 from beaconkv.eval.cli import add_eval_arguments, config_from_args, run_eval_from_args
-from beaconkv.eval.datasets import Problem
+from beaconkv.eval.config import EvalConfig
 from beaconkv.eval.distributed import DistContext
 from beaconkv.eval.errors import ResultsConflictError
-from beaconkv.eval.runner import EvalConfig, GenerationBackend, plan_units, run_eval
+from beaconkv.eval.runner import plan_units, run_eval
 from beaconkv.eval.summary import summarize
+from beaconkv.policies import BeaconKV
 
-PROBLEMS = [
-    Problem("aime24", "60", "P60", answer="204"),
-    Problem("aime24", "61", "P61", answer="113"),
-    Problem("aime24", "9", "P9", answer="7"),
-]
-
-
-@dataclass
-class FakeStats:
-    prompt_tokens: list[int]
-    new_tokens: list[int]
-    cache_capacity: int
-    evictions: list[int]
-    peak_cache_tokens: int
-    wall_time_s: float
-
-
-@dataclass
-class FakeOutput:
-    token_ids: list[list[int]]
-    texts: list[str]
-    finish_reasons: list[str]
-    stats: FakeStats
-
-
-class FakeGenerate:
-    """Output depends only on (prompt, seed, row): right answer when the seed is even."""
-
-    def __init__(self, fail_after: int | None = None) -> None:
-        self.calls: list[dict] = []
-        self.fail_after = fail_after
-
-    def __call__(self, prompts, *, max_new_tokens, temperature, top_p, top_k, seed, policy):
-        if self.fail_after is not None and len(self.calls) >= self.fail_after:
-            raise KeyboardInterrupt("simulated crash")
-        self.calls.append({"n": len(prompts), "seed": seed, "policy": policy})
-        golds = {"P60": "204", "P61": "113", "P9": "7"}
-        gold = next((v for k, v in golds.items() if f"{k}\n" in prompts[0]), "204")
-        texts, ids = [], []
-        for row in range(len(prompts)):
-            answer = gold if (seed + row) % 2 == 0 else "0"
-            texts.append(f"thinking {seed % 1000} \\boxed{{{answer}}}")
-            ids.append([(seed + row + k) % 50000 for k in range(max_new_tokens)])
-        n = len(prompts)
-        stats = FakeStats([12] * n, [max_new_tokens] * n, 64, [1] * n, 40, 0.01)
-        return FakeOutput(ids, texts, ["length"] * n, stats)
-
-
-class Tok:
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        return f"<user>{messages[0]['content']}</user><assistant>"
+from .fakes import PROBLEMS, FakeGenerate, Tok, read, strip_timing
 
 
 def config(out: Path, **kw) -> EvalConfig:
@@ -77,14 +28,6 @@ def config(out: Path, **kw) -> EvalConfig:
     )  # fmt: skip
     base.update(kw)
     return EvalConfig(**base)
-
-
-def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def strip_timing(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
 
 
 def test_plan_units_do_not_depend_on_ranks() -> None:
@@ -180,12 +123,26 @@ def test_policy_and_tag_name_the_results_file(tmp_path: Path, monkeypatch) -> No
         made.append((name, budget, kwargs))
         return object()
 
-    monkeypatch.setattr("beaconkv.policies.make_policy", fake_make_policy)
+    monkeypatch.setattr("beaconkv.eval.config.make_policy", fake_make_policy)
     cfg = config(tmp_path, policy="beacon", budget=256, tag="mean", policy_kwargs={"aggregation": "mean"})
-    report = run_eval(cfg, backend=GenerationBackend(Tok(), FakeGenerate()), problems=PROBLEMS[:1])
+    gen = FakeGenerate()
+    report = run_eval(cfg, backend=GenerationBackend(Tok(), gen), problems=PROBLEMS[:1])
     assert report.results_file.name == "aime24__beacon-mean__b256.jsonl"
-    assert made[0] == ("beacon", 256, {"aggregation": "mean"}) and len(made) == 1 + 3
+    # a policy holds settings only: made once, before anything is loaded, and shared by every call
+    assert made == [("beacon", 256, {"aggregation": "mean"})]
+    assert len(gen.calls) == 3 and len({id(c["policy"]) for c in gen.calls}) == 1
+    assert gen.calls[0]["policy"] is not None
     assert read(report.results_file)[0]["budget"] == 256
+
+
+def test_the_real_policy_object_serves_every_call(tmp_path: Path) -> None:
+    gen = FakeGenerate()
+    cfg = config(tmp_path, policy="beacon", budget=64, policy_kwargs={"n_recent": 8})
+    run_eval(cfg, backend=GenerationBackend(Tok(), gen), problems=PROBLEMS[:1])
+    policies = {id(c["policy"]) for c in gen.calls}
+    assert len(gen.calls) == 3 and len(policies) == 1
+    policy = gen.calls[0]["policy"]
+    assert isinstance(policy, BeaconKV) and policy.budget == 64 and policy.n_recent == 8
 
 
 def test_summary_pass_at_1_is_the_mean_over_problems() -> None:
@@ -201,11 +158,11 @@ def test_summary_pass_at_1_is_the_mean_over_problems() -> None:
     assert row.pass_at_1 == pytest.approx(75.0)
 
 
-def test_cli_arguments_build_the_config(tmp_path: Path, monkeypatch, shared_data: Path, capsys) -> None:
+def test_cli_arguments_build_the_config(tmp_path: Path, monkeypatch, project_data: Path, capsys) -> None:
     parser = add_eval_arguments(argparse.ArgumentParser())
     args = parser.parse_args(
         [
-            "--model", "fake", "--benchmark", "aime24", "--data", str(shared_data / "aime24.jsonl"),
+            "--model", "fake", "--benchmark", "aime24", "--data", str(project_data / "aime24.jsonl"),
             "--policy", "full", "--samples", "2", "--max-new-tokens", "3", "--limit", "2",
             "--out", str(tmp_path), "--policy-arg", "n_beacon=8", "--policy-arg", "aggregation=max",
             "--field", "choices=A,B", "--no-progress",

@@ -1,0 +1,258 @@
+"""Resume without loss: a torn last line (a process killed mid-write) is set aside, never glued to.
+
+The scenario a user found: a rank part ends in a torn line; the next run appended its first record
+onto it. With 3 good lines before the tear every rerun then failed at the merge; with 7 the new
+record was silently dropped from the summary. Here the torn tail goes to ``<part>.torn`` and the
+sample is generated again: no sample lost or duplicated, the summary counts all 8.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from beaconkv.cli import main
+from beaconkv.eval import runner
+from beaconkv.eval.backend import GenerationBackend
+from beaconkv.eval.config import EvalConfig
+from beaconkv.eval.errors import DatasetFormatError
+from beaconkv.eval.results import (
+    load_done,
+    rank_file,
+    read_jsonl_records,
+    set_aside_torn_tail,
+    torn_file,
+)
+from beaconkv.eval.runner import run_eval
+
+from .fakes import PROBLEMS, FakeGenerate, Tok, read, strip_timing, write_problems
+
+STEM = "aime24__full"
+TOTAL = 8  # 2 problems x 4 samples
+
+
+def use_model(monkeypatch, gen: FakeGenerate) -> FakeGenerate:
+    monkeypatch.setattr(runner, "load_backend", lambda *a, **k: GenerationBackend(Tok(), gen))
+    return gen
+
+
+def cli(out: Path, data: Path) -> list[str]:
+    return [
+        "eval", "--model", "fake", "--benchmark", "aime24", "--data", str(data), "--policy", "full",
+        "--samples", "4", "--max-new-tokens", "4", "--out", str(out), "--no-progress", "--save-token-ids",
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    return write_problems(tmp_path / "problems.jsonl", PROBLEMS[:2])
+
+
+@pytest.fixture
+def reference(tmp_path, data, monkeypatch, capsys) -> list[dict]:
+    """The merged records of an uninterrupted run."""
+    use_model(monkeypatch, FakeGenerate())
+    assert main(cli(tmp_path / "reference", data)) == 0
+    capsys.readouterr()
+    records = read(tmp_path / "reference" / f"{STEM}.jsonl")
+    assert len(records) == TOTAL
+    return records
+
+
+def line_of(record: dict) -> bytes:
+    """A record's line exactly as the runner writes it."""
+    return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+@pytest.mark.parametrize("good", [3, 7])
+def test_rerun_after_a_torn_part_loses_and_duplicates_nothing(
+    tmp_path, data, reference, monkeypatch, capsys, good
+) -> None:
+    out = tmp_path / "out"
+    use_model(monkeypatch, FakeGenerate(fail_after=good))
+    assert main(cli(out, data)) == 130  # killed after `good` samples
+    part = rank_file(out, STEM, 0)
+    assert len(read(part)) == good
+    # the next record was being written when the process died: half of its line reached the disk
+    written = [(r["problem_id"], r["sample_idx"]) for r in read(part)]
+    by_key = {(r["problem_id"], r["sample_idx"]): r for r in reference}
+    in_order = [("60", i) for i in range(4)] + [("61", i) for i in range(4)]
+    following = next(k for k in in_order if k not in written)
+    torn = line_of(by_key[following])[:57]
+    with part.open("ab") as f:
+        f.write(torn)
+    capsys.readouterr()
+
+    gen = use_model(monkeypatch, FakeGenerate())
+    with pytest.warns(UserWarning, match="torn last line"):
+        code = main(cli(out, data))
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    assert len(gen.calls) == TOTAL - good
+    assert f"{TOTAL - good} samples generated, {good} already done" in stderr
+
+    merged = read(out / f"{STEM}.jsonl")
+    keys = [(r["problem_id"], r["sample_idx"]) for r in merged]
+    assert len(keys) == len(set(keys)) == TOTAL  # nothing lost, nothing twice
+    assert strip_timing(merged) == strip_timing(reference)
+    assert torn_file(part).read_bytes() == torn  # the torn bytes are kept
+    assert not part.exists() and list(out.glob("*.rank*.jsonl")) == []
+    (row,) = json.loads((out / "summary.json").read_text())
+    assert (row["problems"], row["samples"]) == (2, TOTAL)
+    assert f"| aime24 | full | - | 2 | {TOTAL} |" in stdout
+
+    again = use_model(monkeypatch, FakeGenerate())
+    assert main(cli(out, data)) == 0 and again.calls == []
+    assert strip_timing(read(out / f"{STEM}.jsonl")) == strip_timing(reference)
+
+
+def test_a_torn_merged_file_is_repaired_too(tmp_path, data, reference, monkeypatch, capsys) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    merged = out / f"{STEM}.jsonl"
+    torn = line_of(reference[5])[:-20]
+    merged.write_bytes(b"".join(line_of(r) for r in reference[:5]) + torn)
+    gen = use_model(monkeypatch, FakeGenerate())
+    with pytest.warns(UserWarning, match="torn last line"):
+        assert main(cli(out, data)) == 0
+    assert len(gen.calls) == 3
+    assert strip_timing(read(merged)) == strip_timing(reference)
+    assert torn_file(merged).read_bytes() == torn
+    capsys.readouterr()
+
+
+def test_a_newline_terminated_garbage_line_is_set_aside(tmp_path, reference) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    part = rank_file(out, STEM, 0)
+    garbage = b"\x00\x00\x00\x00\n"  # a file system that zero-filled the last block
+    part.write_bytes(b"".join(line_of(r) for r in reference[:2]) + garbage)
+    gen = FakeGenerate()
+    config = EvalConfig(model="fake", benchmark="aime24", policy="full", samples=4, max_new_tokens=4,
+                        out_dir=out, progress=False, save_token_ids=True)  # fmt: skip
+    with pytest.warns(UserWarning, match="torn last line"):
+        report = run_eval(config, backend=GenerationBackend(Tok(), gen), problems=PROBLEMS[:2])
+    assert (report.generated, report.skipped) == (6, 2)
+    assert strip_timing(read(report.results_file)) == strip_timing(reference)
+    assert torn_file(part).read_bytes() == garbage
+
+
+# --------------------------------------------------------------------------- set_aside_torn_tail
+
+
+def record(i: int, text: str = "t") -> bytes:
+    fields = {"benchmark": "b", "problem_id": str(i), "sample_idx": 0, "policy": "p", "budget": 8, "text": text}
+    return (json.dumps(fields, ensure_ascii=False) + "\n").encode()
+
+
+def test_a_sound_file_is_left_alone(tmp_path) -> None:
+    path = tmp_path / "r.jsonl"
+    assert set_aside_torn_tail(path) == 0  # missing
+    path.write_bytes(b"")
+    assert set_aside_torn_tail(path) == 0  # empty
+    body = record(1) + record(2) + b"\n\n"
+    path.write_bytes(body)
+    assert set_aside_torn_tail(path) == 0
+    assert path.read_bytes() == body and not torn_file(path).exists()
+
+
+@pytest.mark.parametrize(
+    ("tail", "aside"),
+    [
+        (b'{"benchmark": "b", "pro', b'{"benchmark": "b", "pro'),  # no newline
+        (b'{"benchmark": "b"}', b'{"benchmark": "b"}'),  # JSON, but the write did not finish
+        (b'{"benchmark": "b", "pro\n', b'{"benchmark": "b", "pro\n'),  # newline, not JSON
+        (b'{"benchmark": "b", "pro\n\n  \n', b'{"benchmark": "b", "pro\n\n  \n'),  # blank lines after
+        (b"[1, 2]\n", b"[1, 2]\n"),  # JSON, but not a record
+        ('{"text": "caf\u00e9'.encode()[:-1], '{"text": "caf\u00e9'.encode()[:-1]),  # a cut character
+        (b"\n   ", b"   "),  # blanks without a newline: only they go
+    ],
+)
+def test_torn_tails_are_moved_aside(tmp_path, tail: bytes, aside: bytes) -> None:
+    path = tmp_path / "r.jsonl"
+    body = record(1) + record(2)
+    path.write_bytes(body + tail)
+    with pytest.warns(UserWarning, match="torn last line"):
+        assert set_aside_torn_tail(path) == len(aside)
+    assert torn_file(path).read_bytes() == aside
+    assert path.read_bytes() + aside == body + tail  # every byte is somewhere
+    assert [r["problem_id"] for r in read_jsonl_records(path)] == ["1", "2"]
+    assert set_aside_torn_tail(path) == 0  # now sound
+
+
+def test_a_file_that_is_one_torn_line(tmp_path) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b'{"benchm')
+    with pytest.warns(UserWarning):
+        assert set_aside_torn_tail(path) == 8
+    assert path.read_bytes() == b"" and torn_file(path).read_bytes() == b'{"benchm'
+
+
+def test_successive_tears_are_appended_not_overwritten(tmp_path) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(record(1) + b'{"first tear')
+    with pytest.warns(UserWarning):
+        set_aside_torn_tail(path)
+    with path.open("ab") as f:
+        f.write(record(2) + b'{"second tear')
+    with pytest.warns(UserWarning):
+        set_aside_torn_tail(path)
+    assert path.read_bytes() == record(1) + record(2)
+    assert torn_file(path).read_bytes() == b'{"first tear{"second tear'
+
+
+def test_long_lines_beyond_the_read_block(tmp_path) -> None:
+    path = tmp_path / "r.jsonl"
+    long_good = record(1, "x" * 200_000)
+    long_torn = record(2, "y" * 150_000)[:-1000]
+    path.write_bytes(record(0) + long_good + long_torn)
+    with pytest.warns(UserWarning):
+        assert set_aside_torn_tail(path) == len(long_torn)
+    assert path.read_bytes() == record(0) + long_good
+    assert set_aside_torn_tail(path) == 0  # a long sound last line stays
+
+
+def test_line_separators_inside_a_text_do_not_split_a_record(tmp_path) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(record(1, "a\u2028b\u0085c\x0cd") + record(2))
+    assert set_aside_torn_tail(path) == 0
+    assert [r["text"] for r in read_jsonl_records(path)] == ["a\u2028b\u0085c\x0cd", "t"]
+
+
+def test_a_rank_repairs_only_the_files_nobody_else_writes(tmp_path) -> None:
+    stem = "b__p"
+    merged, part0, part1, part5 = (tmp_path / f"{stem}.jsonl", *(rank_file(tmp_path, stem, r) for r in (0, 1, 5)))
+    rows = {p: record(i) + b'{"to' for i, p in enumerate((merged, part0, part1, part5))}
+    for p, content in rows.items():
+        p.write_bytes(content)
+    with pytest.warns(UserWarning):
+        load_done(tmp_path, stem, rank=1, world_size=2)  # its own part only
+    assert part1.read_bytes() == record(2) and torn_file(part1).exists()
+    assert all(p.read_bytes() == rows[p] for p in (merged, part0, part5))
+    with pytest.warns(UserWarning):
+        done = load_done(tmp_path, stem, rank=0, world_size=2)  # its part, the merged file, stale rank 5
+    assert len(done) == 4
+    assert [p.read_bytes() for p in (merged, part0, part5)] == [record(0), record(1), record(3)]
+
+
+def test_reading_a_part_another_rank_is_writing(tmp_path) -> None:
+    stem = "b__p"
+    part1 = rank_file(tmp_path, stem, 1)
+    being_written = record(2, "\u601d\u8003")[:-6]  # cut inside a multi-byte character
+    part1.write_bytes(record(1) + being_written)
+    with pytest.warns(UserWarning, match="ignoring a torn last line"):
+        done = load_done(tmp_path, stem, rank=0, world_size=2)
+    assert [key[1] for key in done] == ["1"]
+    assert part1.read_bytes() == record(1) + being_written  # not this rank's file: left alone
+
+
+def test_a_broken_line_before_the_last_is_an_error(tmp_path) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(record(1) + b'{"glued{"benchmark": 1}\n' + record(2))
+    with pytest.raises(DatasetFormatError, match=r"r.jsonl:2: not valid JSON.*fix or delete that line"):
+        read_jsonl_records(path)
+    path.write_bytes(record(1) + b"[1, 2]\n" + record(2))
+    with pytest.raises(DatasetFormatError, match=r"r.jsonl:2: a JSON list, not an object"):
+        read_jsonl_records(path)
