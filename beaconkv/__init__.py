@@ -11,26 +11,14 @@ from .cache import KVCache, LayerKVCache
 from .execution import CompileConfig, CompileError
 from .generation import GenerationOutput, GenerationStats, PromptError, generate
 from .models import CausalLM, ModelConfig, build_model, load_model
+from .models.embedded import embedded_model_path
 from .session import Session
 from .storage import DenseKV, Int8KV, KVStorage
 from .tokenizer import Tokenizer, load_tokenizer
 
 
-def embedded_model_path(cache_dir=None):
-    """Directory of the embedded SmolLM2-135M-Instruct checkpoint, converted from GGUF on first use.
-
-    Args:
-        cache_dir: Where converted checkpoints live (default ``$BEACONKV_CACHE`` or ``~/.cache/beaconkv``).
-
-    Returns:
-        A Hugging Face style directory that :func:`load_model` and :func:`load_tokenizer` accept.
-    """
-    from .models.embedded import embedded_model_path as _path
-
-    return _path(cache_dir)
-
-
 __version__ = "0.1.0"
+"""The package version."""
 __all__ = [
     "CausalLM", "CompileConfig", "CompileError", "DenseKV", "GenerationOutput", "GenerationStats", "Int8KV",
     "KVCache", "KVStorage", "LayerKVCache", "ModelConfig", "PromptError", "Session", "Tokenizer", "build_model",

@@ -113,11 +113,11 @@ class Session:
         cfg = model.config
         self.model = model
         self.policy = policy if policy is not None else FullKV()
-        self.device = model.lm_head.weight.device
+        self.device = model.device
         self.decoder, policy_executor = make_executor(compile, self.device)
         self.cache = KVCache.allocate(
             cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.num_attention_heads, capacity, cfg.head_dim,
-            dtype=model.lm_head.weight.dtype, device=self.device,
+            dtype=model.dtype, device=self.device,
             query_window=max(self.policy.query_window(max_tokens or capacity), query_window),
             track_attention=self.policy.track_attention or observe_attention, storage=kv_storage,
             storage_dtype=cache_dtype,
@@ -126,7 +126,7 @@ class Session:
         self.state = self.policy.create_state(self.cache, model.rope, policy_executor)
         self.decoder.prepare(self.cache, self.state)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
-        self.vocab = model.lm_head.weight.shape[0]
+        self.vocab = model.config.vocab_size
         self.policy_s = 0.0
 
     @classmethod

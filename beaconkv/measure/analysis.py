@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..command import module_main
 from ..models.decoder import CausalLM
 from ..policies.base import EvictionPolicy
 from ..policies.registry import make_policy, policy_parameters
@@ -507,6 +508,4 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from ..command import module_main
-
     sys.exit(module_main("analyze", add_analyze_arguments, run_analyze))

@@ -106,6 +106,16 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights live (the token embedding's device)."""
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the token embedding's dtype)."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
     def rope(self) -> nn.Module:
         """The rotary module of every layer (eviction policies re-rotate stored queries with it)."""
         return self.model.rope

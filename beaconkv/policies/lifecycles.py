@@ -16,17 +16,31 @@ schedule (when to compress, freeze, roll) is the same for both.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from ..cache import LayerKVCache
 from .query_set import QuerySet
+from .samplers import QuerySampler
 from .state import PolicyState
 
-if TYPE_CHECKING:  # the lifecycles are BeaconKV's parts; only type checkers need the name
-    from .beacon import BeaconKV
+
+class BeaconKV(Protocol):
+    """What a lifecycle uses of its policy (:class:`beaconkv.policies.beacon.BeaconKV`)."""
+
+    n_beacon: int
+    n_recent: int
+    sampler: QuerySampler
+
+    @property
+    def q_min(self) -> int: ...  # noqa: D102 - BeaconKV's B_min^Q
+
+    @property
+    def q_max(self) -> int: ...  # noqa: D102 - BeaconKV's B_max^Q
+
+    def sample(self, state: Any, candidates: QuerySet, k: int) -> QuerySet: ...  # noqa: D102
 
 
 def ring_set(cache: LayerKVCache, rows: Tensor, lo: Tensor, hi: Tensor) -> QuerySet:

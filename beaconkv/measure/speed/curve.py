@@ -48,7 +48,7 @@ def measure_cost_curve(
     steps and at the first eviction, before the first window when ``contexts[0] - window`` exceeds
     ``prompt_tokens + budget``.
     """
-    device = model.lm_head.weight.device
+    device = model.device
     vocab = model.config.vocab_size
     top = max(contexts)
     if min(contexts) < prompt_tokens + window:

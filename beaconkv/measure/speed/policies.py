@@ -66,7 +66,7 @@ def measure_policies(
     the peak resident memory over the timed steps (the in-process compiler's memory would swamp the
     rest). The best of ``repeats`` runs counts.
     """
-    device = model.lm_head.weight.device
+    device = model.device
     prompts = random_prompts(batch, prompt_tokens, model.config.vocab_size)
     gap = budget - math.floor(7 / 8 * budget)
     first = budget - 1 + gap  # the step of the second eviction: timing starts after the first one

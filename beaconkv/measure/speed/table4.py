@@ -112,7 +112,7 @@ def _timed_run(model: CausalLM, policy_name: str, budget: int, batch: int, promp
                rss_zero: int) -> tuple[GenerationOutput, float, int]:
     """Decodes one policy with the cache of a ``generation_tokens`` generation; returns the output, the
     steady-state ms/step and the peak memory of the run (see the module docstring)."""
-    device = model.lm_head.weight.device
+    device = model.device
     policy = make_policy(policy_name, budget=None if policy_name == "full" else budget)
     gap = budget - math.floor(policy.ratio * budget)
     # BeaconKV: fill the budget, one eviction cycle (compiles the eviction), then `cycles` timed
@@ -132,7 +132,7 @@ def _timed_run(model: CausalLM, policy_name: str, budget: int, batch: int, promp
 def _fit(model: CausalLM, policy_name: str, budget: int, prompt_tokens: int, probe: tuple[int, int],
          rss_zero: int) -> tuple[float, float]:
     """Fits ``peak - cache bytes = base + per_seq * batch`` from two short eager runs."""
-    device = model.lm_head.weight.device
+    device = model.device
     pts = []
     for b in probe:
         policy = make_policy(policy_name, budget=None if policy_name == "full" else budget)
@@ -171,8 +171,8 @@ def measure_table4(
     Returns:
         One row per policy.
     """
-    device = model.lm_head.weight.device
-    dtype = model.lm_head.weight.dtype
+    device = model.device
+    dtype = model.dtype
     per_token = kv_bytes_per_token(model.config, dtype)
     rows = []
     full_batch = None
