@@ -1,33 +1,88 @@
-"""Run untrusted Python (generated programs) in a subprocess with limits.
+"""Run untrusted Python (generated programs) in a contained subprocess with limits.
 
-What is enforced:
+The graders run programs written by a model; this module keeps them from reading or changing the
+host, from outliving the grading, from signalling the grader and from taking the machine's memory.
+:func:`run_python` picks one of two containments at run time and names it in
+:attr:`SandboxResult.containment`:
 
-* **Wall time**: the process group is killed with ``SIGKILL`` after ``timeout_s``.
-* **CPU time** (``RLIMIT_CPU``), **address space** (``RLIMIT_AS``, i.e. memory), **file size**
-  (``RLIMIT_FSIZE``: also caps stdout/stderr, which go to files), **open files** (``RLIMIT_NOFILE``),
-  no core dumps; set in ``preexec_fn`` before ``exec``.
-* **A clean temporary directory** as the working directory and ``HOME``/``TMPDIR``, deleted after.
-* **Isolated interpreter**: ``python -I`` (no ``PYTHON*`` variables, no user site, no script
-  directory on ``sys.path``), ``-B`` (no ``.pyc``), and a minimal environment (no proxies, tokens
-  or credentials of the parent).
-* **No network**: when ``unshare --user --net`` works (Linux with unprivileged user namespaces),
-  the program runs in a new network namespace that has no interface but a down loopback — a real
-  kernel-level block. Always, in addition, the harness replaces ``socket.socket`` and friends with
-  functions that raise ``PermissionError`` before the program runs.
+**Namespaces** (``"namespaces+cgroup"`` or ``"namespaces+rlimit"``), used where unprivileged user
+namespaces work (Linux on x86-64 or aarch64; probed once per process, see
+:func:`namespace_sandbox_available`). A helper
+process (this file run as a script, so the grader stays single-purpose) creates new user, mount,
+PID, IPC, UTS, cgroup and network namespaces, and then:
 
-What is **not** enforced: the Python-level socket block can be bypassed by a determined program
-(``_socket``, ``ctypes``) when no network namespace is available; the file system outside the
-temporary directory is readable (and writable where the user may write) — there is no chroot;
-the number of processes is not limited (``RLIMIT_NPROC`` counts all of the user's processes, and
-root ignores it), although a fork bomb dies with the process group at the timeout. Run
-evaluations of untrusted code inside a container or VM if that matters.
+* **File system**: the program sees a fresh, read-only root that holds only the system directories
+  (``/usr``, ``/bin``, ``/lib*``, ``/sbin``), the Python installation and virtual environment
+  running the grader, the dynamic linker's files of ``/etc`` (plus a generated ``passwd`` and
+  ``group``), ``/dev/{null,zero,full,random,urandom}`` (no ``/dev/shm``) and its own ``/proc``
+  (read-only). The rest of the host (home directories, ``/tmp``, the project checkout,
+  ``/etc/hostname``, other users' files) does not exist there. The only writable place is the
+  working folder ``/sandbox`` (also ``HOME`` and ``TMPDIR``), a private tmpfs of
+  ``file_size_mb`` MiB that holds a copy of the files and disappears with the run.
+* **Processes**: the program runs under an init process of its own PID namespace. When the program
+  exits (or is killed at the timeout), the init exits and the kernel kills every process left in
+  the namespace (``setsid``, double forks and daemons included) before :func:`run_python` returns.
+  The grader and the helper are outside the namespace: their PIDs do not exist for the program, and
+  the init ignores signals sent from inside.
+* **Privileges**: when the grader runs as root, the program runs as an unprivileged host user
+  (uid/gid :data:`SANDBOX_HOST_ID`, seen as 1000 inside); otherwise as the grader's own uid (seen
+  as 0 inside). Either way it holds no capabilities, cannot gain any (``no_new_privs``, ``nosuid``
+  mounts, an empty bounding set) and a seccomp filter refuses ``unshare``, ``setns``, ``clone3``,
+  namespace flags to ``clone``, and the kernel keyrings.
+* **Network**: a network namespace with no interface but a down loopback (unless
+  ``network="python"``), in addition to the Python-level block.
+* **Memory of the whole process tree**: with a cgroup v2 whose ``memory`` and ``pids`` controllers
+  are delegated to this process (:attr:`SandboxLimits.cgroup_parent`, or the grader's own cgroup
+  when its ``cgroup.subtree_control`` enables both), each run gets a child cgroup with
+  ``memory.max`` (``memory_mb`` plus 16 MiB for the sandbox's own init processes),
+  ``memory.swap.max = 0`` and ``pids.max``: ``"namespaces+cgroup"`` (cgroup v1 hierarchies are
+  never used). Otherwise
+  ``"namespaces+rlimit"``: ``RLIMIT_AS`` per process and a process cap, so that the tree's total
+  address space stays within ``memory_mb``: with ``max_processes=1`` (the default) the seccomp filter
+  refuses to create processes (threads are allowed and share the one address space); with
+  ``max_processes=n > 1``, ``RLIMIT_NPROC`` caps the program at ``n`` tasks (processes and threads
+  together) and each process gets ``memory_mb / n`` of address space. ``RLIMIT_NPROC`` is counted per
+  user namespace, so concurrent runs do not share it (where it cannot apply, the program's host uid
+  being 0, creating processes is refused whatever ``max_processes``).
+
+**Fallback** (``"rlimits-only"``), used when namespaces are unavailable (``unshare`` is refused,
+e.g. in a container with the default seccomp profile, or ``kernel.unprivileged_userns_clone=0``)
+or forced with ``SandboxLimits(containment="rlimits")``: the program runs directly under
+``preexec_fn`` limits in its own session. What the fallback does **not** contain:
+
+* the file system: everything the grader's user may read is readable (``/etc/hostname``, home
+  directories, the project checkout, other runs' files), and everything it may write is writable;
+  only the working directory is fresh;
+* processes: a process that leaves the process group (``setsid``, a double fork) survives the run
+  and keeps running after :func:`run_python` returns; there is no cap on the number of processes
+  (``RLIMIT_NPROC`` counts all of the user's processes and root ignores it);
+* the grader: the program runs as the grader's user and may signal it (``os.kill(os.getppid(),
+  signal.SIGKILL)`` kills the grader) or any other process of that user;
+* memory: ``RLIMIT_AS`` bounds each process, not the tree: ``k`` forked children may use ``k``
+  times ``memory_mb``;
+* the network: blocked only by the Python-level guard (bypassable through ``_socket`` or
+  ``ctypes``) unless ``unshare --user --net`` works, in which case a network namespace is used.
+
+What both containments enforce: the wall-clock limit (``timeout_s``; the fallback kills the
+process group, the namespaces everything), the CPU limit (``RLIMIT_CPU``), ``RLIMIT_AS``,
+``RLIMIT_FSIZE`` (also on stdout/stderr, which go to files outside the sandbox), ``RLIMIT_NOFILE``,
+no core dumps, ``python -I -B`` with a minimal environment (no proxies, tokens or credentials of the
+parent), the Python-level socket block, and the output cap: a program whose stdout or stderr
+reaches ``file_size_mb`` gets the status ``"output-limit"`` and only the first MiB of that stream is
+read back, so the grader's memory stays bounded.
+
+The namespace containment is a kernel-level sandbox, not a virtual machine: a kernel exploit
+escapes it. Run evaluations of hostile code inside a VM if that matters.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -37,9 +92,16 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["SandboxLimits", "SandboxResult", "network_namespace_available", "run_python"]
+__all__ = [
+    "SANDBOX_HOST_ID",
+    "SandboxLimits",
+    "SandboxResult",
+    "namespace_sandbox_available",
+    "network_namespace_available",
+    "run_python",
+]
 
 #: Prepended to every sandboxed run: blocks the socket module before user code runs.
 NETWORK_GUARD = '''\
@@ -63,20 +125,49 @@ for _name in ("create_connection", "create_server", "getaddrinfo", "gethostbynam
 del _name, _socket_module
 '''
 
+SANDBOX_HOST_ID = 2_000_000_000
+"""Host uid and gid of sandboxed programs when the grader runs as root (1000 inside the sandbox).
+Chosen far above ordinary users so that it owns no host file."""
+
+_INSIDE_ID = 1000  # the program's uid/gid inside the namespace when SANDBOX_HOST_ID is mapped
+_INSIDE_DIR = "/sandbox"  # the working folder, as the program sees it
+_HELPER_FLAG = "--beaconkv-sandbox-helper"
+_HELPER_GRACE_S = 10.0  # the helper's own start and teardown, beyond timeout_s
+_KEPT_OUTPUT_BYTES = 1 << 20  # what is read back of a stream that hit the output limit
+_MAX_THREADS = 64  # tasks (main thread included) allowed when max_processes == 1
+_HELPER_TASKS = 2  # the helper's two processes inside the user namespace (unshare-er and init)
+_CGROUP_SLACK_MB = 16  # memory.max headroom for those two processes
+#: Set by tests only: map just the grader's uid (what an unprivileged grader gets) even as root.
+_FORCE_SINGLE_ID_MAP = False
+
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Resource limits of one sandboxed run.
+    """Resource limits and containment of one sandboxed run.
 
     Attributes:
         timeout_s: Wall-clock limit in seconds.
-        memory_mb: Address-space limit in MiB (``RLIMIT_AS``); ``None`` for no limit.
+        memory_mb: Memory limit in MiB: ``RLIMIT_AS`` per process, and the whole process tree's
+            memory (see the module docstring for how); ``None`` for no limit.
         cpu_s: CPU-time limit in seconds; ``None`` means ``ceil(timeout_s) + 1``.
-        file_size_mb: Largest file the program may write, stdout/stderr included.
+        file_size_mb: Largest file the program may write, stdout/stderr included (a stream that
+            reaches it is reported as ``"output-limit"``); also the size of the working folder's
+            tmpfs under namespace containment.
         max_open_files: ``RLIMIT_NOFILE``.
         network: ``"auto"``: a network namespace when available, else the Python-level block;
             ``"namespace"``: require the namespace (error if unavailable); ``"python"``: only the
             Python-level block.
+        containment: ``"auto"``: namespaces when they work here, else the rlimits-only fallback;
+            ``"namespaces"``: require them (``RuntimeError`` if unavailable); ``"rlimits"``: force
+            the fallback (what it does not contain is listed in the module docstring).
+        max_processes: Processes the program may run at once, itself included. ``1`` (the
+            default): creating processes fails with ``PermissionError`` (threads work, up to 64).
+            ``n > 1``: at most ``n`` tasks (processes and threads together) and, without a cgroup,
+            ``memory_mb / n`` of address space per process. Namespace containment only; the
+            fallback caps nothing.
+        cgroup_parent: A cgroup v2 directory whose ``cgroup.subtree_control`` enables ``memory``
+            and ``pids`` and in which this process may create cgroups; each run then gets a child
+            cgroup there. ``None``: the grader's own cgroup if it qualifies, else rlimits.
     """
 
     timeout_s: float = 6.0
@@ -85,6 +176,22 @@ class SandboxLimits:
     file_size_mb: int = 64
     max_open_files: int = 256
     network: Literal["auto", "namespace", "python"] = "auto"
+    containment: Literal["auto", "namespaces", "rlimits"] = "auto"
+    max_processes: int = 1
+    cgroup_parent: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.containment not in ("auto", "namespaces", "rlimits"):
+            raise ValueError(
+                f"containment={self.containment!r} is not one of 'auto', 'namespaces', 'rlimits'"
+            )
+        if self.network not in ("auto", "namespace", "python"):
+            raise ValueError(f"network={self.network!r} is not one of 'auto', 'namespace', 'python'")
+        if not isinstance(self.max_processes, int) or self.max_processes < 1:
+            raise ValueError(
+                f"max_processes={self.max_processes!r} must be an integer >= 1 "
+                "(1 forbids creating processes)"
+            )
 
 
 @dataclass(frozen=True)
@@ -93,10 +200,15 @@ class SandboxResult:
 
     Attributes:
         returncode: Exit status (negative: killed by that signal).
-        stdout: Captured stdout (decoded UTF-8, errors replaced).
-        stderr: Captured stderr.
+        stdout: Captured stdout (decoded UTF-8, errors replaced); only its first MiB when
+            ``output_limited``.
+        stderr: Captured stderr, likewise.
         timed_out: Whether the wall or CPU limit was hit.
         wall_s: Elapsed seconds.
+        containment: How the run was contained: ``"namespaces+cgroup"``, ``"namespaces+rlimit"``
+            or ``"rlimits-only"`` (see the module docstring).
+        output_limited: Whether stdout or stderr reached ``file_size_mb``.
+        memory_exceeded: Whether the cgroup's memory limit killed a process of the run.
     """
 
     returncode: int
@@ -104,12 +216,19 @@ class SandboxResult:
     stderr: str
     timed_out: bool
     wall_s: float
+    containment: str = "rlimits-only"
+    output_limited: bool = False
+    memory_exceeded: bool = False
 
     @property
     def status(self) -> str:
         """One word: ``ok``, ``timeout``, ``memory``, ``output-limit`` or ``error``."""
+        if self.output_limited:
+            return "output-limit"
         if self.timed_out:
             return "timeout"
+        if self.memory_exceeded:
+            return "memory"
         if self.returncode == 0:
             return "ok"
         if self.returncode == -signal.SIGXFSZ:
@@ -140,8 +259,40 @@ def network_namespace_available() -> bool:
     return proc.returncode == 0
 
 
+def namespace_sandbox_available() -> bool:
+    """Whether the namespace containment works here (probed once per process with a tiny program).
+
+    Returns:
+        ``True`` if :func:`run_python` can contain programs with namespaces.
+    """
+    return _namespace_probe()[0]
+
+
+@functools.cache
+def _namespace_probe() -> tuple[bool, str]:
+    """``(works, why not)``: runs ``print('ok')`` through the namespace path once."""
+    if not sys.platform.startswith("linux"):
+        return False, f"namespaces need Linux, this is {sys.platform}"
+    if _machine() not in _SECCOMP_TABLES:
+        return False, f"no seccomp syscall table for {_machine()!r} (known: {sorted(_SECCOMP_TABLES)})"
+    try:
+        result = _run(
+            {"probe.py": "print('ok')"}, "probe.py", (), "", SandboxLimits(timeout_s=20.0),
+            namespaced=True,
+        )
+    except (OSError, RuntimeError, ValueError) as exc:
+        return False, str(exc)
+    if result.returncode != 0 or result.stdout != "ok\n":
+        return False, f"the probe program failed (exit {result.returncode}): {result.stderr[-500:]}"
+    return True, ""
+
+
+def _machine() -> str:
+    return os.uname().machine
+
+
 def _set_limits(limits: SandboxLimits) -> None:
-    """Runs in the child between fork and exec."""
+    """Runs in the child between fork and exec (fallback path)."""
     cpu = limits.cpu_s if limits.cpu_s is not None else int(limits.timeout_s) + 2
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     if limits.memory_mb is not None:
@@ -172,40 +323,59 @@ def run_python(
     stdin: str = "",
     limits: SandboxLimits | None = None,
 ) -> SandboxResult:
-    """Run a Python script in a fresh temporary directory under resource limits.
+    """Run a Python script in a fresh working folder, contained and under resource limits.
 
-    The ``files`` are written into an empty temporary directory, which becomes the working
-    directory; ``script`` (one of them) runs with ``python -I -B -X utf8`` after the network guard
+    The ``files`` are written into an empty folder, which becomes the working directory;
+    ``script`` (one of them) runs with ``python -I -B -X utf8`` after the network guard
     (:data:`NETWORK_GUARD`) has been prepended to it (so the script must not start with a
-    ``from __future__`` import). Everything is deleted afterwards. Limits are set in
-    ``preexec_fn``; call this from the main thread of a process that does not fork concurrently.
+    ``from __future__`` import). Everything is deleted afterwards, and no process of the program
+    survives the call under namespace containment. The fallback sets its limits in ``preexec_fn``;
+    call this from the main thread of a process that does not fork concurrently.
 
     Args:
         files: File name (relative, no ``..``) -> content.
         script: The file of ``files`` to run.
         args: Command line arguments for the script.
         stdin: Text fed to the program's stdin.
-        limits: Resource limits (default :class:`SandboxLimits`).
+        limits: Limits and containment (default :class:`SandboxLimits`).
 
     Returns:
-        The :class:`SandboxResult`.
+        The :class:`SandboxResult`; its ``containment`` says which containment was used.
 
     Raises:
-        ValueError: If ``script`` is not in ``files`` or a file name escapes the directory.
-        RuntimeError: If ``limits.network == "namespace"`` and no network namespace is available.
+        ValueError: If ``script`` is not in ``files``, a file name escapes the directory, or
+            ``limits.cgroup_parent`` is not a usable cgroup.
+        RuntimeError: If ``limits.containment == "namespaces"`` (or ``limits.network ==
+            "namespace"``) and that is unavailable, or if the namespace sandbox fails to start.
     """
     limits = limits or SandboxLimits()
     if script not in files:
         raise ValueError(f"script {script!r} is not one of the files {sorted(files)}")
-    prefix: list[str] = []
-    use_ns = limits.network in ("auto", "namespace") and network_namespace_available()
-    if limits.network == "namespace" and not use_ns:
-        raise RuntimeError(
-            "network='namespace' requested but `unshare --user --net` does not work here; "
-            "use network='auto' or 'python', or enable unprivileged user namespaces"
-        )
-    if use_ns:
-        prefix = [shutil.which("unshare") or "unshare", "--user", "--net", "--map-root-user"]
+    if limits.cgroup_parent is not None:
+        _cgroup_parent(limits.cgroup_parent)  # a bad explicit cgroup is an error on every path
+    if limits.containment == "rlimits":
+        namespaced = False
+    else:
+        works, why = _namespace_probe()
+        if limits.containment == "namespaces" and not works:
+            raise RuntimeError(
+                f"containment='namespaces' requested but the namespace sandbox does not work here "
+                f"({why}); use containment='auto' or 'rlimits', or enable unprivileged user "
+                "namespaces (sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces)"
+            )
+        namespaced = works
+    return _run(files, script, args, stdin, limits, namespaced=namespaced)
+
+
+def _run(
+    files: Mapping[str, str],
+    script: str,
+    args: Sequence[str],
+    stdin: str,
+    limits: SandboxLimits,
+    *,
+    namespaced: bool,
+) -> SandboxResult:
     with tempfile.TemporaryDirectory(prefix="beaconkv-sandbox-") as root:
         work = Path(root, "work")
         io_dir = Path(root, "io")
@@ -220,39 +390,825 @@ def run_python(
                 content = NETWORK_GUARD + "\n" + content
             target.write_text(content, encoding="utf-8")
         (io_dir / "stdin").write_text(stdin, encoding="utf-8")
-        cmd = [*prefix, sys.executable, "-I", "-B", "-X", "utf8", script, *args]
         start = time.monotonic()
-        timed_out = False
         with (
             open(io_dir / "stdin", "rb") as fin,
             open(io_dir / "stdout", "wb") as fout,
             open(io_dir / "stderr", "wb") as ferr,
         ):
-            proc = subprocess.Popen(
-                cmd,
-                cwd=work,
-                env=_clean_env(str(work)),
-                stdin=fin,
-                stdout=fout,
-                stderr=ferr,
-                start_new_session=True,
-                preexec_fn=functools.partial(_set_limits, limits),
-            )
-            try:
-                proc.wait(timeout=limits.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # also any children it left behind
-                except (ProcessLookupError, PermissionError):
-                    pass
-                proc.wait()
+            if namespaced:
+                returncode, timed_out, extra = _run_namespaced(
+                    Path(root), work, script, args, limits, fin, fout, ferr
+                )
+            else:
+                returncode, timed_out, extra = _run_rlimits(work, script, args, limits, fin, fout, ferr)
         wall = time.monotonic() - start
-        if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and wall >= limits.timeout_s:
+        if returncode in (-signal.SIGXCPU, -signal.SIGKILL) and wall >= limits.timeout_s:
             timed_out = True
-        if proc.returncode == -signal.SIGXCPU:
+        if returncode == -signal.SIGXCPU:
             timed_out = True
-        stdout = (io_dir / "stdout").read_bytes().decode("utf-8", errors="replace")
-        stderr = (io_dir / "stderr").read_bytes().decode("utf-8", errors="replace")
-    return SandboxResult(proc.returncode, stdout, stderr, timed_out, wall)
+        cap = limits.file_size_mb * 1024 * 1024
+        stdout, out_limited = _read_capped(io_dir / "stdout", cap)
+        stderr, err_limited = _read_capped(io_dir / "stderr", cap)
+    return SandboxResult(
+        returncode, stdout, stderr, timed_out, wall,
+        output_limited=out_limited or err_limited, **extra,
+    )
+
+
+def _read_capped(path: Path, cap: int) -> tuple[str, bool]:
+    """Read a captured stream: whole if under ``cap`` bytes, else its first MiB and ``True``.
+
+    ``RLIMIT_FSIZE`` stops the stream's file at exactly ``cap`` bytes, so reaching it means the
+    program tried to write more.
+    """
+    limited = path.stat().st_size >= cap
+    with open(path, "rb") as f:
+        data = f.read(_KEPT_OUTPUT_BYTES if limited else cap)
+    return data.decode("utf-8", errors="replace"), limited
+
+
+def _run_rlimits(
+    work: Path, script: str, args: Sequence[str], limits: SandboxLimits, fin: Any, fout: Any, ferr: Any
+) -> tuple[int, bool, dict[str, Any]]:
+    """The fallback: rlimits in ``preexec_fn``, the process group killed at the end."""
+    prefix: list[str] = []
+    use_ns = limits.network in ("auto", "namespace") and network_namespace_available()
+    if limits.network == "namespace" and not use_ns:
+        raise RuntimeError(
+            "network='namespace' requested but `unshare --user --net` does not work here; "
+            "use network='auto' or 'python', or enable unprivileged user namespaces"
+        )
+    if use_ns:
+        prefix = [shutil.which("unshare") or "unshare", "--user", "--net", "--map-root-user"]
+    cmd = [*prefix, sys.executable, "-I", "-B", "-X", "utf8", script, *args]
+    timed_out = False
+    proc = subprocess.Popen(
+        cmd,
+        cwd=work,
+        env=_clean_env(str(work)),
+        stdin=fin,
+        stdout=fout,
+        stderr=ferr,
+        start_new_session=True,
+        preexec_fn=functools.partial(_set_limits, limits),
+    )
+    try:
+        timed_out = not _wait_for_exit(proc.pid, limits.timeout_s)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # also any children left in the group
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+    return proc.returncode, timed_out, {"containment": "rlimits-only"}
+
+
+def _run_namespaced(
+    root: Path,
+    work: Path,
+    script: str,
+    args: Sequence[str],
+    limits: SandboxLimits,
+    fin: Any,
+    fout: Any,
+    ferr: Any,
+) -> tuple[int, bool, dict[str, Any]]:
+    """Start the helper (this file as a script) and turn its report into a result."""
+    newroot = root / "newroot"  # empty mount point of the sandbox's root, inside its mount namespace
+    newroot.mkdir()
+    exe_dir = os.path.realpath(os.path.dirname(sys.executable))
+    config = {
+        "work": str(work),
+        "newroot": str(newroot),
+        "result": str(root / "result.json"),
+        "argv": [os.path.join(exe_dir, os.path.basename(sys.executable)),
+                 "-I", "-B", "-X", "utf8", script, *args],
+        "env": _clean_env(_INSIDE_DIR),
+        "mounts": _mount_plan(),
+        "timeout_s": limits.timeout_s,
+        "cpu_s": limits.cpu_s if limits.cpu_s is not None else int(limits.timeout_s) + 2,
+        "memory_mb": limits.memory_mb,
+        "file_size_mb": limits.file_size_mb,
+        "max_open_files": limits.max_open_files,
+        "max_processes": limits.max_processes,
+        "network_namespace": limits.network != "python",
+        "cgroup_parent": _cgroup_parent(limits.cgroup_parent),
+        "single_id_map": _FORCE_SINGLE_ID_MAP,
+        "grader_pid": os.getpid(),
+    }
+    (root / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    helper = [sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), _HELPER_FLAG,
+              str(root / "config.json")]
+    proc = subprocess.Popen(
+        helper, cwd=root, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"},
+        stdin=fin, stdout=fout, stderr=ferr, start_new_session=True,
+    )
+    if not _wait_for_exit(proc.pid, limits.timeout_s + _HELPER_GRACE_S):
+        # Abnormal (the helper enforces timeout_s itself): killing it takes the namespace along,
+        # through the parent-death signals of its children (asynchronously, in this case only).
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        memory = "cgroup" if config["cgroup_parent"] else "rlimit"
+        return -signal.SIGKILL, True, {"containment": f"namespaces+{memory}"}
+    proc.wait()
+    try:
+        report = json.loads((root / "result.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(
+            f"the namespace sandbox helper exited with {proc.returncode} and no report ({exc}); "
+            "pass SandboxLimits(containment='rlimits') to use the rlimits-only fallback"
+        ) from exc
+    if report["error"]:
+        raise RuntimeError(
+            f"the namespace sandbox failed to start: {report['error']}; pass "
+            "SandboxLimits(containment='rlimits') to use the rlimits-only fallback"
+        )
+    extra = {
+        "containment": f"namespaces+{report['memory']}",
+        "memory_exceeded": report["oom_kills"] > 0,
+    }
+    return os.waitstatus_to_exitcode(report["status"]), report["timed_out"], extra
+
+
+def _mount_plan() -> list[list[str]]:
+    """Host paths the sandbox sees read-only: ``["bind", path]`` or ``["symlink", path, target]``."""
+    plan: list[list[str]] = []
+    bound: list[str] = []
+    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):  # merged /usr: /bin -> usr/bin
+            plan.append(["symlink", top, os.readlink(top)])
+        elif os.path.isdir(top):
+            plan.append(["bind", top])
+            bound.append(top)
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                os.path.dirname(os.path.dirname(sys.executable))}
+    for path in sorted({os.path.realpath(p) for p in prefixes}, key=len):
+        if os.path.isdir(path) and not any(path == b or path.startswith(b + "/") for b in bound):
+            plan.append(["bind", path])
+            bound.append(path)
+    return plan
+
+
+@functools.cache
+def _own_cgroup() -> str | None:
+    """The cgroup v2 directory of this process, or ``None`` (no cgroup v2, or not found)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        mountinfo = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    relative = next((line[3:] for line in lines if line.startswith("0::")), None)
+    mount = next(
+        (_unescape(line.split()[4]) for line in mountinfo if " - cgroup2 " in line), None
+    )
+    if relative is None or mount is None:
+        return None
+    return os.path.join(mount, relative.lstrip("/"))
+
+
+def _cgroup_usable(path: str) -> bool:
+    try:
+        enabled = Path(path, "cgroup.subtree_control").read_text().split()
+    except OSError:
+        return False
+    return {"memory", "pids"} <= set(enabled) and os.access(path, os.W_OK | os.X_OK)
+
+
+def _cgroup_parent(explicit: str | None) -> str | None:
+    if explicit is not None:
+        if not _cgroup_usable(explicit):
+            raise ValueError(
+                f"cgroup_parent={explicit!r} is not a writable cgroup v2 directory whose "
+                "cgroup.subtree_control enables memory and pids; create one and run "
+                f"`echo '+memory +pids' > {explicit}/cgroup.subtree_control` (it must hold no "
+                "process itself), or pass cgroup_parent=None"
+            )
+        return explicit
+    own = _own_cgroup()
+    return own if own is not None and _cgroup_usable(own) else None
+
+
+def _unescape(path: str) -> str:
+    """Decode the octal escapes (``\\040`` for a space) of /proc/self/mountinfo."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The helper: everything below runs in the helper process (this file run as a script) and in the
+# processes it forks. It uses only the standard library and ctypes: run by path with ``python -S``,
+# it imports neither beaconkv nor torch and starts in tens of milliseconds.
+#
+#   helper H (host namespaces; reaps everything, enforces timeout_s, writes result.json)
+#     └─ A: unshare(user, mount, pid, ipc, uts, cgroup, net); H writes A's uid/gid maps
+#          └─ B: PID 1 of the new PID namespace; builds the root, forks the program, reaps
+#               └─ C: limits, drops privileges, seccomp, execve(python ...)
+# ---------------------------------------------------------------------------------------------
+
+_CLONE_THREAD = 0x00010000
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWCGROUP = 0x02000000
+_CLONE_NEWUTS = 0x04000000
+_CLONE_NEWIPC = 0x08000000
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWPID = 0x20000000
+_CLONE_NEWNET = 0x40000000
+_NAMESPACE_FLAGS = (_CLONE_NEWNS | _CLONE_NEWCGROUP | _CLONE_NEWUTS | _CLONE_NEWIPC
+                    | _CLONE_NEWUSER | _CLONE_NEWPID | _CLONE_NEWNET)
+
+_MS_RDONLY = 1
+_MS_NOSUID = 2
+_MS_NODEV = 4
+_MS_NOEXEC = 8
+_MS_REMOUNT = 32
+_MS_NOATIME = 1024
+_MS_NODIRATIME = 2048
+_MS_BIND = 4096
+_MS_REC = 16384
+_MS_PRIVATE = 1 << 18
+_MS_RELATIME = 1 << 21
+_MS_STRICTATIME = 1 << 24
+_MNT_DETACH = 2
+# Per-mount options (/proc/self/mountinfo field 6) a user namespace must keep when remounting.
+_LOCKABLE_OPTIONS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC,
+                     "noatime": _MS_NOATIME, "nodiratime": _MS_NODIRATIME,
+                     "relatime": _MS_RELATIME}
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_SECCOMP = 22
+_PR_CAPBSET_DROP = 24
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_CAP_AMBIENT = 47
+_PR_CAP_AMBIENT_CLEAR_ALL = 4
+_SECCOMP_MODE_FILTER = 2
+
+# Per architecture: audit arch, syscall numbers (pivot_root and capset have no glibc wrapper).
+_SECCOMP_TABLES: dict[str, dict[str, int]] = {
+    "x86_64": {
+        "arch": 0xC000003E, "x32_bit": 0x40000000, "clone": 56, "fork": 57, "vfork": 58,
+        "clone3": 435, "unshare": 272, "setns": 308, "add_key": 248, "request_key": 249,
+        "keyctl": 250, "pivot_root": 155, "capset": 126,
+    },
+    "aarch64": {
+        "arch": 0xC00000B7, "clone": 220, "clone3": 435, "unshare": 97, "setns": 268,
+        "add_key": 217, "request_key": 218, "keyctl": 219, "pivot_root": 41, "capset": 91,
+    },
+}
+
+_DEV_NODES = ("null", "zero", "full", "random", "urandom")
+_ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime")
+
+
+class _Libc:
+    """The few libc calls the helper needs, with argument types set (varargs trap: an untyped
+    Python int is passed as a 32-bit int, leaving garbage in the upper half of the register)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self.ctypes = ctypes
+        self.lib = ctypes.CDLL(None, use_errno=True)
+        c = ctypes
+        self.lib.mount.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_ulong, c.c_char_p]
+        self.lib.umount2.argtypes = [c.c_char_p, c.c_int]
+        self.lib.unshare.argtypes = [c.c_int]
+        self.lib.sethostname.argtypes = [c.c_char_p, c.c_size_t]
+        self.lib.prctl.argtypes = [c.c_int, c.c_ulong, c.c_ulong, c.c_ulong, c.c_ulong]
+        self.nr = _SECCOMP_TABLES[_machine()]
+
+    def _check(self, ret: int, what: str) -> int:
+        if ret < 0:
+            err = self.ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+        return ret
+
+    def mount(self, source: str | None, target: str, fstype: str | None, flags: int,
+              data: str | None = None) -> None:
+        def enc(text: str | None) -> bytes | None:
+            return None if text is None else text.encode()
+
+        what = f"mount({source!r}, {target!r}, {fstype!r}, {flags:#x}, {data!r})"
+        self._check(self.lib.mount(enc(source), target.encode(), enc(fstype), flags, enc(data)), what)
+
+    def umount2(self, target: str, flags: int) -> None:
+        self._check(self.lib.umount2(target.encode(), flags), f"umount2({target!r})")
+
+    def unshare(self, flags: int) -> None:
+        self._check(self.lib.unshare(flags), f"unshare({flags:#x})")
+
+    def sethostname(self, name: str) -> None:
+        self._check(self.lib.sethostname(name.encode(), len(name)), "sethostname")
+
+    def prctl(self, option: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> int:
+        return self._check(self.lib.prctl(option, a, b, c, d), f"prctl({option})")
+
+    def pivot_root(self, new_root: str, put_old: str) -> None:
+        c = self.ctypes
+        ret = self.lib.syscall(c.c_long(self.nr["pivot_root"]), c.c_char_p(new_root.encode()),
+                               c.c_char_p(put_old.encode()))
+        self._check(ret, "pivot_root")
+
+    def drop_capabilities(self) -> None:
+        """Empty the bounding, ambient, effective, permitted and inheritable sets (so that even
+        an execve as uid 0 gains nothing)."""
+        c = self.ctypes
+        try:
+            last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+        except (OSError, ValueError):
+            last = 63
+        for cap in range(last + 1):
+            if self.lib.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 and c.get_errno() != 22:
+                self._check(-1, f"PR_CAPBSET_DROP {cap}")  # EINVAL: no such capability
+        self.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
+
+        class Header(c.Structure):
+            _fields_ = [("version", c.c_uint32), ("pid", c.c_int)]
+
+        class Data(c.Structure):
+            _fields_ = [("effective", c.c_uint32), ("permitted", c.c_uint32),
+                        ("inheritable", c.c_uint32)]
+
+        header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+        ret = self.lib.syscall(c.c_long(self.nr["capset"]), c.byref(header), c.byref(data))
+        self._check(ret, "capset")
+
+    def install_seccomp(self, deny_processes: bool) -> None:
+        c = self.ctypes
+        program = _seccomp_program(self.nr, deny_processes)
+
+        class Prog(c.Structure):
+            _fields_ = [("len", c.c_ushort), ("filter", c.c_void_p)]
+
+        buffer = c.create_string_buffer(program, len(program))
+        prog = Prog(len(program) // 8, c.addressof(buffer))
+        self.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, c.addressof(prog))
+
+
+def _seccomp_program(nr: dict[str, int], deny_processes: bool) -> bytes:
+    """A classic-BPF seccomp filter (``struct sock_filter`` array) for the program.
+
+    Refused with ``EPERM``: ``unshare``, ``setns``, the keyring calls, ``clone`` with namespace
+    flags, and, when ``deny_processes``, ``fork``/``vfork``/``clone`` without ``CLONE_THREAD``.
+    ``clone3`` gets ``ENOSYS`` (its flags sit in memory, out of the filter's reach), which makes
+    glibc fall back to ``clone``. Calls of another ABI (i386, x32 on x86_64) get ``ENOSYS``.
+    """
+    import struct
+
+    ld_abs, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, errno = 0x7FFF0000, 0x00050000
+    eperm, enosys = 1, 38
+    code: list[tuple[int, Any, Any, int]] = []  # (opcode, jump-if-true, jump-if-false, k)
+    labels: dict[str, int] = {}
+
+    def op(opcode: int, k: int, true: str | None = None, false: str | None = None) -> None:
+        code.append((opcode, true, false, k))
+
+    op(ld_abs, 4)  # seccomp_data.arch
+    op(jeq, nr["arch"], None, "enosys")
+    op(ld_abs, 0)  # seccomp_data.nr
+    if "x32_bit" in nr:
+        op(jge, nr["x32_bit"], "enosys", None)
+    op(jeq, nr["clone3"], "enosys", None)
+    for name in ("unshare", "setns", "add_key", "request_key", "keyctl"):
+        op(jeq, nr[name], "eperm", None)
+    if deny_processes:
+        for name in ("fork", "vfork"):
+            if name in nr:
+                op(jeq, nr[name], "eperm", None)
+    op(jeq, nr["clone"], "clone", "allow")
+    labels["allow"] = len(code)
+    op(ret, allow)
+    labels["clone"] = len(code)
+    op(ld_abs, 16)  # low 32 bits of seccomp_data.args[0]: clone's flags
+    op(jset, _NAMESPACE_FLAGS, "eperm", None)
+    op(jset, _CLONE_THREAD, "thread", None)
+    op(ret, (errno | eperm) if deny_processes else allow)
+    labels["thread"] = len(code)  # BPF jumps only forward: a second "allow" for threads
+    op(ret, allow)
+    labels["eperm"] = len(code)
+    op(ret, errno | eperm)
+    labels["enosys"] = len(code)
+    op(ret, errno | enosys)
+
+    out = b""
+    for index, (opcode, true, false, k) in enumerate(code):
+        jt = 0 if true is None else labels[true] - index - 1
+        jf = 0 if false is None else labels[false] - index - 1
+        out += struct.pack("=HBBI", opcode, jt, jf, k)
+    return out
+
+
+def _helper_main(config_path: str) -> int:
+    """Entry point of the helper process; writes ``result.json`` and returns the exit code."""
+    config = json.loads(Path(config_path).read_text(encoding="utf-8"))
+    report: dict[str, Any] = {"status": None, "timed_out": False, "memory": "rlimit",
+                              "oom_kills": 0, "error": None}
+    try:
+        _supervise(config, report)
+    except BaseException as exc:  # noqa: BLE001 - reported to the grader, which raises
+        report["error"] = report["error"] or f"{type(exc).__name__}: {exc}"
+    tmp = config["result"] + ".tmp"
+    Path(tmp).write_text(json.dumps(report), encoding="utf-8")
+    os.replace(tmp, config["result"])
+    return 0
+
+
+def _supervise(config: dict[str, Any], report: dict[str, Any]) -> None:
+    """Helper H: fork A, map its ids, wait with the timeout, reap everything, read the status."""
+    libc = _Libc()
+    _die_with_parent(libc, config["grader_pid"])  # a dead grader takes the whole run along
+    # Orphans of A (B, if A dies first) are reparented here, so nothing escapes the final reaping.
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    cgroup = _make_cgroup(config) if config["cgroup_parent"] else None
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    status_r, status_w = os.pipe()
+    helper_pid = os.getpid()
+    pid_a = os.fork()
+    if pid_a == 0:
+        try:
+            os.close(ready_r)
+            os.close(go_w)
+            os.close(status_r)
+            _stage_a(config, libc, helper_pid, ready_w, go_r, status_w)
+        except BaseException as exc:  # noqa: BLE001 - the child must never return into H's code
+            _send(status_w, "error", f"{type(exc).__name__}: {exc}")
+        os._exit(70)
+    os.close(ready_w)
+    os.close(go_r)
+    os.close(status_w)
+    try:
+        if os.read(ready_r, 1) == b"r":  # A has unshared; nothing ran in its namespaces yet
+            memory = "rlimit"
+            if cgroup is not None:
+                try:
+                    Path(cgroup, "cgroup.procs").write_text(str(pid_a))
+                    memory = "cgroup"
+                except OSError:
+                    memory = "rlimit"
+            single = _write_id_maps(pid_a, config["single_id_map"])
+            # RLIMIT_NPROC is ignored for the host's uid 0: cap processes by seccomp instead.
+            nproc_works = not (single and os.geteuid() == 0 and _initial_user_namespace())
+            os.write(go_w, json.dumps({"memory": memory, "single": single,
+                                       "nproc_works": nproc_works}).encode() + b"\n")
+            report["memory"] = memory
+            report["timed_out"] = not _wait_for_exit(pid_a, config["timeout_s"])
+    finally:
+        os.close(go_w)
+        _kill_and_reap_children(libc, helper_pid, pid_a)
+        with os.fdopen(status_r, "rb") as status:
+            lines = status.read().decode("utf-8", errors="replace").splitlines()
+        if cgroup is not None:
+            report["oom_kills"] = _remove_cgroup(cgroup)
+    for line in lines:
+        kind, _, payload = line.partition(" ")
+        if kind == "exit":
+            report["status"] = int(payload)
+        elif kind == "error" and report["error"] is None:
+            report["error"] = payload
+    if report["status"] is None and report["error"] is None:
+        if report["timed_out"]:
+            report["status"] = signal.SIGKILL  # a raw wait status: killed by SIGKILL
+        else:
+            report["error"] = "the sandbox's init exited without reporting the program's status"
+
+
+def _send(fd: int, kind: str, payload: object) -> None:
+    """One line on the status pipe (short enough to be written atomically)."""
+    text = str(payload).replace("\n", " ")[:2000]
+    try:
+        os.write(fd, f"{kind} {text}\n".encode("utf-8", errors="replace"))
+    except OSError:
+        pass
+
+
+def _initial_user_namespace() -> bool:
+    try:
+        return Path("/proc/self/uid_map").read_text().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return False
+
+
+def _write_id_maps(pid: int, force_single: bool) -> bool:
+    """Write A's uid/gid maps; returns whether only the grader's own ids are mapped.
+
+    As root, inside 0 -> host 0 (the helper processes) and inside 1000 -> :data:`SANDBOX_HOST_ID`
+    (the program). Otherwise (or if that is refused), the unprivileged form: inside 0 -> the
+    grader's uid, with ``setgroups`` denied as the kernel requires. Each map must be written in a
+    single ``write`` and can be written only once.
+    """
+    uid, gid = os.geteuid(), os.getegid()
+    proc = f"/proc/{pid}"
+    if uid == 0 and not force_single:
+        try:
+            _write_once(f"{proc}/uid_map", f"0 {uid} 1\n{_INSIDE_ID} {SANDBOX_HOST_ID} 1\n")
+        except OSError:
+            pass  # e.g. root of a container whose own user namespace lacks that uid
+        else:
+            _write_once(f"{proc}/gid_map", f"0 {gid} 1\n{_INSIDE_ID} {SANDBOX_HOST_ID} 1\n")
+            return False
+    _write_once(f"{proc}/setgroups", "deny")
+    _write_once(f"{proc}/uid_map", f"0 {uid} 1\n")
+    _write_once(f"{proc}/gid_map", f"0 {gid} 1\n")
+    return True
+
+
+def _write_once(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _wait_for_exit(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for a child to exit, without reaping it.
+
+    A pidfd wakes up as soon as the child exits (``Popen.wait(timeout)`` sleeps in steps of up to
+    50 ms, which would add to every run).
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        try:
+            return bool(select.select([fd], [], [], timeout)[0])
+        finally:
+            os.close(fd)
+    deadline = time.monotonic() + timeout  # kernels before 5.3: poll
+    while time.monotonic() < deadline:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def _kill_and_reap_children(libc: _Libc, helper_pid: int, pid_a: int) -> None:
+    """SIGKILL A and anything reparented here, and reap until no child is left.
+
+    Killing B (the namespace's init) makes the kernel kill every process of the namespace, and
+    B's exit completes only once they are all gone: when this returns, nothing of the run lives.
+    """
+    try:
+        os.kill(pid_a, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    while True:
+        for pid in _children(helper_pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.wait()
+        except ChildProcessError:
+            return
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _make_cgroup(config: dict[str, Any]) -> str | None:
+    """Create the run's child cgroup with its limits, or return ``None`` if that fails."""
+    path = os.path.join(config["cgroup_parent"], f"beaconkv-sandbox-{os.getpid()}")
+    tasks = _HELPER_TASKS + (config["max_processes"] if config["max_processes"] > 1 else _MAX_THREADS)
+    try:
+        os.mkdir(path)
+        if config["memory_mb"] is not None:
+            Path(path, "memory.max").write_text(str((config["memory_mb"] + _CGROUP_SLACK_MB) << 20))
+            if os.path.exists(os.path.join(path, "memory.swap.max")):
+                Path(path, "memory.swap.max").write_text("0")
+        Path(path, "pids.max").write_text(str(tasks))
+    except OSError:
+        _remove_cgroup(path)
+        return None
+    return path
+
+
+def _remove_cgroup(path: str) -> int:
+    """Remove the run's cgroup; returns how many processes its memory limit killed."""
+    oom_kills = 0
+    try:
+        for line in Path(path, "memory.events").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                oom_kills = int(value)
+    except (OSError, ValueError):
+        pass
+    for _ in range(100):
+        try:
+            os.rmdir(path)
+            break
+        except FileNotFoundError:
+            break
+        except OSError:
+            try:
+                Path(path, "cgroup.kill").write_text("1")
+            except OSError:
+                pass
+            time.sleep(0.01)
+    return oom_kills
+
+
+def _die_with_parent(libc: _Libc, parent: int | None) -> None:
+    """SIGKILL this process when its parent dies (checked once, for the race with fork)."""
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent is not None and os.getppid() != parent:
+        os._exit(70)
+
+
+def _stage_a(config: dict[str, Any], libc: _Libc, helper_pid: int, ready_w: int, go_r: int,
+             status_w: int) -> None:
+    """Process A: create the namespaces, wait for the id maps, fork the init, wait for it."""
+    _die_with_parent(libc, helper_pid)
+    flags = (_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
+             | _CLONE_NEWCGROUP)
+    if config["network_namespace"]:
+        flags |= _CLONE_NEWNET
+    libc.unshare(flags)
+    os.write(ready_w, b"r")
+    os.close(ready_w)
+    with os.fdopen(go_r, "rb") as go:
+        line = go.readline()
+    if not line:
+        os._exit(0)  # the helper gave up (its error is in the report)
+    plan = json.loads(line)
+    a_pid = os.getpid()
+    pid_b = os.fork()
+    if pid_b == 0:
+        try:
+            _stage_b(config, libc, plan, a_pid, status_w)
+        except BaseException as exc:  # noqa: BLE001
+            _send(status_w, "error", f"{type(exc).__name__}: {exc}")
+        os._exit(70)
+    os.close(status_w)
+    os.waitpid(pid_b, 0)  # B's exit completes only once its namespace is empty
+    os._exit(0)
+
+
+def _stage_b(config: dict[str, Any], libc: _Libc, plan: dict[str, Any], parent: int,
+             status_w: int) -> None:
+    """Process B, PID 1 of the namespace: build the root, run the program, reap, report."""
+    _die_with_parent(libc, None)  # its parent is outside the PID namespace: getppid() is 0
+    # Python's own SIGINT handler would let the program interrupt its init; with the default
+    # disposition, the kernel drops signals sent to a namespace's init from inside.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    inside_id = 0 if plan["single"] else _INSIDE_ID
+    _build_root(config, libc, inside_id)
+    libc.sethostname("sandbox")
+    pid_c = os.fork()
+    if pid_c == 0:
+        try:
+            _stage_c(config, libc, plan, status_w)
+        except BaseException as exc:  # noqa: BLE001
+            _send(status_w, "error", f"{type(exc).__name__}: {exc}")
+        os._exit(71)
+    while True:  # as init, also reap the program's orphans
+        pid, status = os.wait()
+        if pid == pid_c:
+            break
+    _send(status_w, "exit", status)
+    os._exit(0)  # the kernel now kills whatever is left in the namespace
+
+
+def _build_root(config: dict[str, Any], libc: _Libc, inside_id: int) -> None:
+    """Mount a fresh root (tmpfs) with read-only host paths, /dev, /proc, /etc and the working
+    folder, pivot into it and make it read-only."""
+    new = config["newroot"]
+    libc.mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing propagates back to the host
+    libc.mount("tmpfs", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+    for entry in config["mounts"]:
+        kind, path = entry[0], entry[1]
+        if kind == "symlink":
+            os.symlink(entry[2], new + path)
+        else:
+            _bind_readonly(libc, path, new + path)
+    os.makedirs(new + "/dev")
+    for name in _DEV_NODES:
+        if os.path.exists("/dev/" + name):
+            # nodev must stay off here; read-only keeps the host's nodes from being chmod'ed.
+            _bind_readonly(libc, "/dev/" + name, f"{new}/dev/{name}", nodev=False)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{new}/dev/{name}")
+    os.makedirs(new + "/proc")
+    try:
+        # Before the pivot: the kernel lets a user namespace mount proc only while a full proc
+        # mount is visible. Not essential: skipped where refused (e.g. a masked /proc in Docker).
+        libc.mount("proc", new + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        _make_readonly(libc, new + "/proc")  # no sysctl, sysrq-trigger or other /proc writes
+    except OSError:
+        pass
+    os.makedirs(new + "/etc")
+    for name in _ETC_FILES:
+        if os.path.exists("/etc/" + name):
+            _bind_readonly(libc, "/etc/" + name, f"{new}/etc/{name}")
+    Path(new, "etc/passwd").write_text(
+        f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{_INSIDE_ID}:{_INSIDE_ID}::{_INSIDE_DIR}:/bin/sh\n"
+    )
+    Path(new, "etc/group").write_text(f"root:x:0:\nsandbox:x:{_INSIDE_ID}:\n")
+    os.makedirs(new + "/tmp")
+    os.makedirs(new + _INSIDE_DIR)
+    size = config["file_size_mb"]
+    libc.mount("tmpfs", new + _INSIDE_DIR, "tmpfs", _MS_NOSUID | _MS_NODEV,
+               f"size={size}m,nr_inodes=16384,mode=0700,uid={inside_id},gid={inside_id}")
+    _copy_tree(config["work"], new + _INSIDE_DIR, inside_id)
+    os.chdir(new)
+    libc.pivot_root(".", ".")  # the old root ends up stacked on "/"; detach it
+    libc.umount2(".", _MNT_DETACH)
+    os.chdir("/")
+    libc.mount(None, "/", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+
+
+def _bind_readonly(libc: _Libc, source: str, target: str, *, nodev: bool = True) -> None:
+    """Bind ``source`` (with its submounts) at ``target`` and make every mount there read-only."""
+    if not os.path.lexists(target):
+        if os.path.isdir(source):
+            os.makedirs(target)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            Path(target).touch()
+    libc.mount(source, target, None, _MS_BIND | _MS_REC)
+    _make_readonly(libc, target, nodev=nodev)
+
+
+def _make_readonly(libc: _Libc, target: str, *, nodev: bool = True) -> None:
+    """Remount every mount at or below ``target`` read-only (and nosuid, and nodev if asked)."""
+    for mount_point, options in _mounts_under(target):
+        # In a user namespace a remount must keep the flags the mount came with (nosuid, nodev,
+        # noexec, the atime mode): they are locked, and changing them is EPERM.
+        flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | (_MS_NODEV if nodev else 0)
+        options_set = set(options.split(","))
+        for option, flag in _LOCKABLE_OPTIONS.items():
+            if option in options_set:
+                flags |= flag
+        if not options_set & {"noatime", "relatime"}:
+            flags |= _MS_STRICTATIME
+        libc.mount(None, mount_point, None, flags)
+
+
+def _mounts_under(path: str) -> list[tuple[str, str]]:
+    """``(mount point, per-mount options)`` of the mounts at or below ``path``, parents first."""
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        point = _unescape(fields[4])
+        if point == path or point.startswith(path.rstrip("/") + "/"):
+            found.append((point, fields[5]))
+    return found
+
+
+def _copy_tree(source: str, target: str, owner: int) -> None:
+    for folder, dirs, names in os.walk(source):
+        relative = os.path.relpath(folder, source)
+        destination = os.path.normpath(os.path.join(target, relative))
+        for name in dirs:
+            os.mkdir(os.path.join(destination, name))
+            os.chown(os.path.join(destination, name), owner, owner)
+        for name in names:
+            shutil.copyfile(os.path.join(folder, name), os.path.join(destination, name))
+            os.chown(os.path.join(destination, name), owner, owner)
+
+
+def _stage_c(config: dict[str, Any], libc: _Libc, plan: dict[str, Any], status_w: int) -> None:
+    """Process C: limits, no privileges, seccomp, then exec the program."""
+    os.chdir(_INSIDE_DIR)
+    os.closerange(3, status_w)  # status_w is close-on-exec: it reports a failed execve
+    os.closerange(status_w + 1, 1 << 16)
+    processes = config["max_processes"]
+    deny_processes = processes == 1 or (plan["memory"] == "rlimit" and not plan["nproc_works"])
+    tasks = processes if processes > 1 else _MAX_THREADS
+    if plan["single"]:
+        tasks += _HELPER_TASKS  # A and B count against the same uid's RLIMIT_NPROC
+    cpu = config["cpu_s"]
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    if config["memory_mb"] is not None:
+        share = processes if (processes > 1 and plan["memory"] == "rlimit") else 1
+        size = (config["memory_mb"] << 20) // share
+        resource.setrlimit(resource.RLIMIT_AS, (size, size))
+    fsize = config["file_size_mb"] << 20
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (config["max_open_files"], config["max_open_files"]))
+    resource.setrlimit(resource.RLIMIT_NPROC, (tasks, tasks))
+    if plan["single"]:
+        libc.drop_capabilities()  # stays uid 0 of the namespace, with nothing to show for it
+    else:
+        os.setgroups([])
+        os.setresgid(_INSIDE_ID, _INSIDE_ID, _INSIDE_ID)
+        os.setresuid(_INSIDE_ID, _INSIDE_ID, _INSIDE_ID)  # clears every capability
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    libc.install_seccomp(deny_processes)
+    os.execve(config["argv"][0], config["argv"], config["env"])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != _HELPER_FLAG:
+        raise SystemExit(f"usage: python {__file__} {_HELPER_FLAG} CONFIG.json (internal helper)")
+    sys.exit(_helper_main(sys.argv[2]))
