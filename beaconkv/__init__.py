@@ -8,6 +8,7 @@ Public API::
 """
 
 from .cache import KVCache, LayerKVCache
+from .engine import Completion, Engine, Request
 from .execution import CompileConfig, CompileError
 from .generation import GenerationOutput, GenerationStats, PromptError, generate
 from .models import CausalLM, ModelConfig, build_model, load_model
@@ -20,7 +21,7 @@ from .tokenizer import Tokenizer, load_tokenizer
 __version__ = "0.1.0"
 """The package version."""
 __all__ = [
-    "CausalLM", "CompileConfig", "CompileError", "DenseKV", "GenerationOutput", "GenerationStats", "Int8KV",
-    "KVCache", "KVStorage", "LayerKVCache", "ModelConfig", "PromptError", "Session", "Tokenizer", "build_model",
+    "CausalLM", "CompileConfig", "CompileError", "Completion", "DenseKV", "Engine", "GenerationOutput", "GenerationStats", "Int8KV",
+    "KVCache", "KVStorage", "LayerKVCache", "ModelConfig", "PromptError", "Request", "Session", "Tokenizer", "build_model",
     "embedded_model_path", "generate", "load_model", "load_tokenizer",
 ]

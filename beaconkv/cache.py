@@ -271,15 +271,6 @@ class LayerKVCache(nn.Module):
             buf[rows, :, K:] = 0
         self.length[rows] = keep_valid[:, 0].sum(-1)
 
-    def reset_rows(self, rows: Tensor) -> None:
-        """Empties some sequences (a slot pool's retired rows): no slot filled, no query in the ring."""
-        self.pos[rows] = -1
-        self.length[rows] = 0
-        if self.query_window:
-            self.query_pos[rows] = -1
-        for buf in self.slot_buffers.values():
-            buf[rows] = 0
-
     def nbytes(self) -> int:
         """Bytes of keys and values (and their scales) held by this layer."""
         return self.storage.nbytes()
@@ -373,11 +364,6 @@ class KVCache(nn.Module):
     def nbytes(self) -> int:
         """Bytes held by keys and values (and scales) of all layers."""
         return sum(layer.nbytes() for layer in self.layers)
-
-    def reset_rows(self, rows: Tensor) -> None:
-        """Empties some sequences in every layer (see :meth:`LayerKVCache.reset_rows`)."""
-        for layer in self.layers:
-            layer.reset_rows(rows)
 
     def rows(self, rows: Tensor) -> CacheRows:
         """A view that prefills only ``rows`` (a slot pool admitting requests); see :class:`CacheRows`."""

@@ -9,9 +9,9 @@ fidelity study — so they all run the same steps:
 2. **prefill** — :meth:`Session.prefill` admits rows (all, or some rows of a slot pool), writes
    their prompts through :meth:`~beaconkv.models.CausalLM.prefill` and lets the policy act;
 3. **decode** — :meth:`Session.step` runs one decode step for every row (model, in-place cache
-   write, attention, sampling: :func:`decode_and_sample`, through the executor — one graph when
-   compiled), then the policy's between-step work (evictions when due);
-4. **release** — :meth:`Session.release` frees rows (a finished request leaves its slot).
+   write, attention, each row's own sampling: :func:`decode_and_sample`, through the executor — one
+   graph when compiled), then the policy's between-step work (evictions when due);
+4. **release** — :meth:`Session.release` ends rows (a finished request leaves its slot to the next).
 
 Rows that are not admitted do not decode: they write nothing that counts, never evict and are never
 counted (the cache's ``active`` mask, the state's ``live`` flags).
@@ -29,12 +29,12 @@ from .cache import KVCache
 from .execution import CompileConfig, make_executor
 from .models.decoder import CausalLM
 from .policies.base import EvictionPolicy, FullKV
-from .sampling import SamplingParams, race_noise, sample_next
+from .sampling import RowSampling, sample_rows
 from .storage import KVStorage
 
 
 def decode_and_sample(
-    model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor, noise: Tensor | None, params: SamplingParams
+    model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor, sampling: RowSampling, noise: Tensor | None
 ) -> Tensor:
     """One decode step for the whole batch and the next tokens (the body of the compiled decode step).
 
@@ -43,15 +43,15 @@ def decode_and_sample(
         cache: The cache (written in place).
         tokens: ``(batch,)`` newest tokens.
         positions: ``(batch,)`` their positions.
-        noise: Race noise for sampling (None when greedy); drawn outside (a graph cannot take a
-            ``torch.Generator``) by the same calls an eager run makes, so seeded runs match.
-        params: Sampling parameters (constants of the graph).
+        sampling: Each row's sampling parameters (tensors; its ``mode`` is a constant of the graph).
+        noise: Race noise of the sampled rows (None when every row is greedy); drawn outside (a graph
+            cannot take a ``torch.Generator``) by the same calls an eager run makes, so seeded runs match.
 
     Returns:
         ``(batch,)`` int64 next tokens.
     """
     logits = model.decode_step(tokens, positions, cache)
-    return sample_next(logits, params, noise=noise)
+    return sample_rows(logits, sampling, noise)
 
 
 def decode_logits(model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor) -> Tensor:
@@ -126,7 +126,6 @@ class Session:
         self.state = self.policy.create_state(self.cache, model.rope, policy_executor)
         self.decoder.prepare(self.cache, self.state)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
-        self.vocab = model.config.vocab_size
         self.policy_s = 0.0
 
     @classmethod
@@ -165,6 +164,7 @@ class Session:
         self.policy.admit(self.state, rows, lengths)
         self.positions[self.state.index(rows)] = self.state.to_device(lengths)
 
+    @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int] | None = None) -> Tensor:
         """Admits ``rows`` (default: all, in order), writes their prompts and lets the policy act.
 
@@ -191,26 +191,27 @@ class Session:
         self.policy_s += time.perf_counter() - t0
 
     def release(self, rows: Sequence[int]) -> None:
-        """Ends ``rows``: they stop decoding and counting; their slots are emptied for the next admission."""
+        """Ends ``rows``: they stop decoding, evicting and counting; the next admission reuses their slots."""
         self.policy.release(self.state, list(rows))
 
     # ------------------------------------------------------------------------------- decode
-    def step(self, tokens: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
+    @torch.inference_mode()
+    def step(self, tokens: Tensor, sampling: RowSampling, noise: Tensor | None = None) -> Tensor:
         """Decodes ``tokens`` (one per row) and samples the next ones; then the policy acts.
 
         Args:
             tokens: ``(batch,)`` newest token of each row (anything for rows that are not live).
-            params: Sampling parameters.
-            generator: Draws the sampling noise.
+            sampling: Each row's sampling parameters.
+            noise: ``(batch, vocab)`` race noise of the sampled rows (see :func:`~beaconkv.sampling.sample_rows`).
 
         Returns:
             ``(batch,)`` next tokens (a fresh tensor).
         """
-        noise = None if params.greedy else race_noise(self.batch, self.vocab, self.device, generator)
-        nxt = self.decoder.run(decode_and_sample, self.model, self.cache, tokens, self.positions, noise, params)
+        nxt = self.decoder.run(decode_and_sample, self.model, self.cache, tokens, self.positions, sampling, noise)
         self.after_step()
         return nxt
 
+    @torch.inference_mode()
     def step_logits(self, tokens: Tensor) -> Tensor:
         """Decodes ``tokens`` and returns their float32 logits ``(batch, vocab)``; then the policy acts."""
         logits = self.decoder.run(decode_logits, self.model, self.cache, tokens, self.positions)

@@ -247,12 +247,11 @@ class EvictionPolicy:
         self.after_count_change(state, rows)
 
     def release(self, state: PolicyState, rows: list[int]) -> None:
-        """Ends some rows: they stop decoding, evicting and counting, and their slots are emptied."""
+        """Ends some rows: they stop decoding, evicting and counting. Their cache keeps its last contents
+        (for inspection) until the next :meth:`admit` and prefill overwrite them."""
         for b in rows:
             state.live[b] = False
-        rows_t = state.index(rows)
-        state.cache.active[rows_t] = False
-        state.cache.reset_rows(rows_t)
+        state.cache.active[state.index(rows)] = False
 
     def evict_due(self, state: PolicyState, rows: list[int]) -> None:
         """Evicts the given rows whose evictable count reached ``budget`` (override for another cadence)."""

@@ -122,12 +122,13 @@ def test_qwen3_4b_shape_and_random_model():
 
 
 def test_table4_at_a_fixed_batch(llama):
-    rows = measure_table4(llama, budget=128, generation_tokens=512, memory_limit=1 << 30, prompt_tokens=8,
+    # the tiny model has 512 positions: a cache sized for 8 + 480 tokens
+    rows = measure_table4(llama, budget=128, generation_tokens=480, memory_limit=1 << 30, prompt_tokens=8,
                           cycles=1, batch=2, log=lambda m: None)
     full, beacon = rows
-    assert (full.policy, full.batch, full.cache_capacity) == ("full", 2, 8 + 512)
+    assert (full.policy, full.batch, full.cache_capacity) == ("full", 2, 8 + 480)
     assert (beacon.policy, beacon.cache_capacity, beacon.evictions) == ("beacon", 8 + 128, 2)
-    assert beacon.kv_cache_bytes * (8 + 512) == full.kv_cache_bytes * (8 + 128)
+    assert beacon.kv_cache_bytes * (8 + 480) == full.kv_cache_bytes * (8 + 128)
     assert all(r.peak_bytes > 0 and r.tokens_per_s > 0 and not math.isnan(r.ms_per_step) for r in rows)
     text = markdown_table4({"model": "tiny", "dtype": "fp32", "generation_tokens": 512, "memory_limit_gib": 1.0,
                             "mode": "eager", "memory": "rss", "rows": [vars(r) for r in rows]})
