@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The pinned CPU build first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,bench,eval,docs]"
+	$(PY) -m pip install -q -e ".[test,bench,eval,serve,docs]"
 	touch $(STAMP)
 
 venv: $(STAMP)
