@@ -9,6 +9,8 @@ by class or by name with :func:`make_policy`.
 from .base import EvictionPolicy, FullKV
 from .beacon import BeaconKV, BeaconState, InitialRecent
 from .config import PolicyConfigError
+from .event_beacon import EventBeaconKV
+from .group_beacon import GroupBeaconKV
 from .h2o import H2O
 from .query_set import QuerySet
 from .registry import (
@@ -28,7 +30,8 @@ from .streaming import StreamingLLM
 from .window import RecentWindowPolicy
 
 __all__ = [
-    "BeaconKV", "BeaconState", "ContinualFPS", "EvictionPolicy", "EvictionRecord", "FPS", "FullKV", "H2O",
+    "BeaconKV", "BeaconState", "ContinualFPS", "EventBeaconKV", "EvictionPolicy", "EvictionRecord", "FPS", "FullKV",
+    "GroupBeaconKV", "H2O",
     "InitialRecent", "KMeans", "NaiveFPS", "PolicyConfigError", "PolicyState", "PolicyStats", "QuerySampler",
     "QuerySet", "RKV", "RPC", "RecentWindowPolicy", "SnapKV", "StreamingLLM", "make_policy", "policy_class",
     "policy_names", "policy_parameters", "register_policy", "select_keep",

@@ -51,10 +51,12 @@ class BeaconLayer:
     Attributes:
         beacons: ``(batch, heads, n_beacon, head_dim)`` frozen beacons.
         obs: ``(batch, heads, B_min^Q, head_dim)`` observation set (bounded lifecycle; None otherwise).
+        cache: The layer's cache.
     """
 
     beacons: QuerySet
     obs: QuerySet | None = None
+    cache: LayerKVCache | None = None
 
 
 @dataclass(eq=False)
@@ -169,7 +171,7 @@ class BeaconKV(EvictionPolicy):
                 f"(query heads, head_dim, dtype); this cache has {sorted(shapes, key=str)}."
             )
         first = cache[0]
-        state.beacons = QuerySet.empty(first.batch, first.n_heads, self.n_beacon, first.head_dim, first.dtype,
+        state.beacons = QuerySet.empty(first.batch, self.set_heads(first), self.n_beacon, first.head_dim, first.dtype,
                                        cache.device, layers=len(cache))
         B = state.batch
         state.phase, state.obs_since, state.obs_count, state.recent_since = ["accumulate"] * B, [0] * B, [0] * B, [0] * B
@@ -177,7 +179,7 @@ class BeaconKV(EvictionPolicy):
         state.recent_since_dev = torch.zeros(B, dtype=torch.long, device=cache.device)
         self.lifecycle.init(self, state)
         obs = state.obs.unbind() if state.obs is not None else [None] * len(cache)
-        state.layers = [BeaconLayer(b, o) for b, o in zip(state.beacons.unbind(), obs)]
+        state.layers = [BeaconLayer(b, o, c) for b, o, c in zip(state.beacons.unbind(), obs, cache.layers)]
 
     def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int]) -> None:
         super().admit(state, rows, prompt_lengths)
@@ -195,10 +197,16 @@ class BeaconKV(EvictionPolicy):
                         rows: Tensor) -> None:
         self.lifecycle.observe_prefill(self, layer_state, q_pre, positions, valid, rows)
 
-    def held_queries(self, state: PolicyState) -> list[int]:
+    def held_queries(self, state: PolicyState) -> list[float]:
         """Query vectors held per query head for each row (the paper's Fig. 7 memory): at most
-        ``B_max^Q`` with a bounded sampler, the whole history (``t + 1``) otherwise."""
-        return [self.lifecycle.held(self, state, b) if state.live[b] else 0 for b in range(state.batch)]
+        ``B_max^Q`` with a bounded sampler, the whole history (``t + 1``) otherwise. A set shared by a
+        GQA group counts ``1 / group`` per query head."""
+        share = state.cache[0].n_heads // self.set_heads(state.cache[0])
+        out = []
+        for b in range(state.batch):
+            stored, pending = self.lifecycle.held(self, state, b) if state.live[b] else (0, 0)
+            out.append(stored / share + pending)
+        return out
 
     # ------------------------------------------------------------------------------- schedule
     def on_prefill_done(self, state: PolicyState, rows: list[int]) -> None:
@@ -263,6 +271,23 @@ class BeaconKV(EvictionPolicy):
             state.phase[b] = "accumulate"
         state.obs_since_dev[rows_t] = state.t_dev[rows_t]
 
+    # ------------------------------------------------------------------------------- variants' hooks
+    def set_heads(self, cache: LayerKVCache) -> int:
+        """Heads of the stored query sets: one set per query head (a variant may share one per KV head)."""
+        return cache.n_heads
+
+    def candidates(self, queries: QuerySet, cache: LayerKVCache) -> QuerySet:
+        """Queries as the sets sample them, from per-query-head queries ``(..., heads, n, head_dim)``.
+
+        Identity here; a variant that shares one set per KV head regroups them.
+        """
+        return queries
+
+    def scoring_beacons(self, state: PolicyState, layer_state: BeaconLayer, cache: LayerKVCache,
+                        rows: Tensor) -> QuerySet:
+        """The stored queries scored at ``t`` for some rows, one set per query head ``(b, heads, n, head_dim)``."""
+        return layer_state.beacons.rows(rows)
+
     # ------------------------------------------------------------------------------- sampling
     def select_queries(self, queries: QuerySet, k: int) -> QuerySet:
         """Samples ``k`` queries per head with the policy's sampler: the one call behind steps 1, 2, 3 and 6.
@@ -303,7 +328,7 @@ class BeaconKV(EvictionPolicy):
             position each query was originally produced at.
         """
         recent_lo = t - self.n_recent if self.static_beacons else state.recent_since_dev[rows]
-        beacons = layer_state.beacons.rows(rows)
+        beacons = self.scoring_beacons(state, layer_state, cache, rows)
         recent = ring_set(cache, rows, recent_lo, t)
         b_pos = t[:, None].expand(-1, beacons.size)  # beacons look from the current step
         rope = state.rope

@@ -42,6 +42,10 @@ class BeaconKV(Protocol):
 
     def sample(self, state: Any, candidates: QuerySet, k: int) -> QuerySet: ...  # noqa: D102
 
+    def set_heads(self, cache: LayerKVCache) -> int: ...  # noqa: D102
+
+    def candidates(self, queries: QuerySet, cache: LayerKVCache) -> QuerySet: ...  # noqa: D102
+
 
 def ring_set(cache: LayerKVCache, rows: Tensor, lo: Tensor, hi: Tensor) -> QuerySet:
     """The cache ring's queries with positions in ``(lo, hi]`` as a :class:`QuerySet` (per head)."""
@@ -116,8 +120,8 @@ class QueryLifecycle(ABC):
         """Step 6 for ``rows`` (before the beacons are cleared). Default: nothing."""
 
     @abstractmethod
-    def held(self, policy: BeaconKV, state: Any, row: int) -> int:
-        """Query vectors held per head for one live row."""
+    def held(self, policy: BeaconKV, state: Any, row: int) -> tuple[int, int]:
+        """Query vectors held for one live row: ``(stored per set, pending in the ring per query head)``."""
 
 
 class BoundedObservation(QueryLifecycle):
@@ -130,13 +134,14 @@ class BoundedObservation(QueryLifecycle):
 
     def init(self, policy: BeaconKV, state: Any) -> None:
         first = state.cache[0]
-        state.obs = QuerySet.empty(first.batch, first.n_heads, policy.q_min, first.head_dim, first.dtype,
+        state.obs = QuerySet.empty(first.batch, policy.set_heads(first), policy.q_min, first.head_dim, first.dtype,
                                    state.device, layers=len(state.cache))
 
     def observe_prefill(self, policy: BeaconKV, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
                         rows: Tensor) -> None:
         B, H, L, _ = q_pre.shape
         prompt = QuerySet(q_pre, positions[:, None].expand(B, H, L), valid[:, None].expand(B, H, L))
+        prompt = policy.candidates(prompt, layer_state.cache)
         layer_state.obs.assign(rows, prompt.select(policy.sampler, policy.q_min))
 
     def prefill_count(self, policy: BeaconKV, prompt_length: int) -> int:
@@ -148,7 +153,8 @@ class BoundedObservation(QueryLifecycle):
 
     def compress(self, policy: BeaconKV, state: Any, rows: list[int]) -> None:
         rows_t = state.index(rows)
-        pending = ring_since(state, rows, rows_t, [state.obs_since[b] for b in rows], state.obs_since_dev)
+        pending = policy.candidates(ring_since(state, rows, rows_t, [state.obs_since[b] for b in rows],
+                                               state.obs_since_dev), state.cache[0])
         state.obs.assign(rows_t, policy.sample(state, QuerySet.cat(state.obs.rows(rows_t), pending), policy.q_min))
         for b in rows:
             state.obs_count[b] = min(state.obs_count[b] + state.t[b] - state.obs_since[b], policy.q_min)
@@ -156,19 +162,21 @@ class BoundedObservation(QueryLifecycle):
         state.obs_since_dev[rows_t] = state.t_dev[rows_t]
 
     def freeze_candidates(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> QuerySet:
-        pending = ring_since(state, rows, rows_t, [state.obs_since[b] for b in rows], state.obs_since_dev)
+        pending = policy.candidates(ring_since(state, rows, rows_t, [state.obs_since[b] for b in rows],
+                                               state.obs_since_dev), state.cache[0])
         return QuerySet.cat(state.obs.rows(rows_t), pending)
 
     def roll(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> None:
-        recent = ring_since(state, rows, rows_t, [state.recent_since[b] for b in rows], state.recent_since_dev)
+        recent = policy.candidates(ring_since(state, rows, rows_t, [state.recent_since[b] for b in rows],
+                                              state.recent_since_dev), state.cache[0])
         state.obs.assign(rows_t, policy.sample(state, QuerySet.cat(state.beacons.rows(rows_t), recent), policy.q_min))
         for b in rows:
             state.obs_count[b] = min(policy.n_beacon + state.t[b] - state.recent_since[b], policy.q_min)
 
-    def held(self, policy: BeaconKV, state: Any, row: int) -> int:
+    def held(self, policy: BeaconKV, state: Any, row: int) -> tuple[int, int]:
         if state.phase[row] == "accumulate":
-            return state.obs_count[row] + state.t[row] - state.obs_since[row]
-        return policy.n_beacon + min(state.t[row] - state.recent_since[row], policy.n_recent)
+            return state.obs_count[row], state.t[row] - state.obs_since[row]
+        return policy.n_beacon, min(state.t[row] - state.recent_since[row], policy.n_recent)
 
 
 class QueryHistory(QueryLifecycle):
@@ -180,7 +188,8 @@ class QueryHistory(QueryLifecycle):
         return max(max_tokens, policy.n_recent, 1)  # the ring holds the whole sequence
 
     def freeze_candidates(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> QuerySet:
-        return ring_since(state, rows, rows_t, [-1] * len(rows), torch.full_like(state.t_dev, -1))
+        history = ring_since(state, rows, rows_t, [-1] * len(rows), torch.full_like(state.t_dev, -1))
+        return policy.candidates(history, state.cache[0])
 
-    def held(self, policy: BeaconKV, state: Any, row: int) -> int:
-        return state.t[row] + 1
+    def held(self, policy: BeaconKV, state: Any, row: int) -> tuple[int, int]:
+        return 0, state.t[row] + 1  # the whole history lives in the ring

@@ -14,6 +14,8 @@ from typing import Any
 from .base import EvictionPolicy, FullKV
 from .beacon import BeaconKV, InitialRecent
 from .config import PolicyConfigError
+from .event_beacon import EventBeaconKV
+from .group_beacon import GroupBeaconKV
 from .h2o import H2O
 from .rkv import RKV
 from .rpc import RPC
@@ -94,8 +96,10 @@ def _check_parameters(name: str, cls: type[EvictionPolicy], kwargs: dict[str, An
                                 f"its parameters are {', '.join(sorted(known))}.")
 
 
-for _cls in (FullKV, BeaconKV, InitialRecent, SnapKV, RPC, RKV, H2O, StreamingLLM):
+for _cls in (FullKV, BeaconKV, InitialRecent, SnapKV, RPC, RKV, H2O, StreamingLLM, GroupBeaconKV, EventBeaconKV):
     register_policy(_cls.name, _cls)
+#: Variants beyond the paper that are a setting of BeaconKV (docs/benchmarks.md, "Beyond the paper").
+register_policy("beacon_lse", BeaconKV, aggregation="logsumexp", temperature=0.02)
 
 
 def make_policy(name: str, budget: int | None = None, **kwargs: Any) -> EvictionPolicy:

@@ -28,6 +28,7 @@ def drive(
     seed: int = 0,
     on_step=None,
     storage: str = "dense",
+    keep: int | None = None,
 ) -> tuple[KVCache, PolicyState]:
     """Prefills random prompts, runs ``steps`` decode writes, asserts the invariants throughout.
 
@@ -35,7 +36,8 @@ def drive(
     the cache holds at most ``n_prefix + budget`` tokens; positions strictly increase; every kept
     K/V vector is bit-identical to the one written at that position (dense storage; int8 storage:
     identical to its own quantisation of it); after each eviction the cache holds exactly
-    ``n_prefix + B_min`` and the prefix and the last ``n_recent`` positions survive.
+    ``n_prefix + B_min`` (or ``n_prefix + keep``, computed by the caller) and the prefix and the last
+    ``n_recent`` positions survive.
 
     Returns:
         The cache and the policy's state; ``on_step(step, state)`` is called after every step.
@@ -60,7 +62,7 @@ def drive(
         wk[:, :, :L], wv[:, :, :L] = k, v
         written.append((wk, wv))
     policy.after_prefill(state, list(range(B)))
-    check(policy, state, written, evicted=[e > 0 for e in state.stats.evictions])
+    check(policy, state, written, evicted=[e > 0 for e in state.stats.evictions], keep=keep)
     for s in range(steps):
         before = list(state.stats.evictions)
         pos = torch.tensor(prompt_lengths) + s
@@ -74,7 +76,7 @@ def drive(
             wk[torch.arange(B), :, pos] = k[:, :, 0]
             wv[torch.arange(B), :, pos] = v[:, :, 0]
         policy.after_decode_step(state)
-        check(policy, state, written, evicted=[a != b for a, b in zip(state.stats.evictions, before)])
+        check(policy, state, written, evicted=[a != b for a, b in zip(state.stats.evictions, before)], keep=keep)
         if on_step is not None:
             on_step(s, state)
     return cache, state
@@ -89,27 +91,30 @@ def _stored(x: torch.Tensor, storage: str) -> torch.Tensor:
     return dequantize(*quantize(x), x.dtype)
 
 
-def check(policy: EvictionPolicy, state: PolicyState, written, evicted: list[bool]) -> None:
-    """Asserts the cache invariants (see :func:`drive`)."""
+def check(policy: EvictionPolicy, state: PolicyState, written, evicted: list[bool], keep: int | None = None) -> None:
+    """Asserts the cache invariants (see :func:`drive`); ``keep``: the evictable count an eviction must
+    leave (default: the policy's ``B_min``)."""
+    keep = policy.b_min if keep is None else keep
     cache = state.cache
     for i, layer in enumerate(cache.layers):
         wk, wv = written[i]
         storage = layer.storage.kind
         keys, values = layer.keys(), layer.values()
-        for b in range(layer.batch):
-            n = int(layer.length[b])
-            prefix = state.prefix[b]
+        pos, length = layer.pos, layer.length
+        B, H, C = pos.shape
+        filled = (torch.arange(C)[None, None, :] < length[:, None, None]).expand(B, H, C)
+        assert torch.equal(pos >= 0, filled), "slots 0 .. length-1 are filled, the others empty"
+        later = pos[..., 1:] > pos[..., :-1]
+        assert bool((later | ~filled[..., 1:]).all()), "positions must strictly increase"
+        at = pos.clamp(min=0)
+        for got, want in ((keys, wk), (values, wv)):
+            expect = _stored(torch.gather(want, 2, at[..., None].expand(-1, -1, -1, want.shape[-1])), storage)
+            assert torch.equal(got[filled], expect[filled]), "kept K/V must be the values written at their positions"
+        for b in range(B):
+            n, prefix, t = int(length[b]), state.prefix[b], state.t[b]
             if policy.budget is not None:
                 assert n <= prefix + policy.budget, f"layer {i} seq {b}: {n} > {prefix}+{policy.budget}"
-            t = state.t[b]
-            for h in range(layer.n_kv_heads):
-                pos = layer.pos[b, h]
-                kept = pos[:n]
-                assert (kept >= 0).all() and (pos[n:] == -1).all()
-                assert (kept[1:] > kept[:-1]).all(), "positions must strictly increase"
-                assert torch.equal(keys[b, h, :n], _stored(wk[b, h, kept], storage)), "kept keys must be unchanged"
-                assert torch.equal(values[b, h, :n], _stored(wv[b, h, kept], storage)), "kept values must be unchanged"
-                if evicted[b]:
-                    assert n == prefix + policy.b_min, f"after eviction {n} != {prefix}+{policy.b_min}"
-                    must = set(range(prefix)) | set(range(max(t - policy.n_recent + 1, 0), t + 1))
-                    assert must <= set(kept.tolist()), "prefix and recent tokens must survive"
+            if evicted[b]:
+                assert n == prefix + keep, f"after eviction {n} != {prefix}+{keep}"
+                must = set(range(prefix)) | set(range(max(t - policy.n_recent + 1, 0), t + 1))
+                assert all(must <= set(pos[b, h, :n].tolist()) for h in range(H)), "prefix and recent tokens survive"

@@ -24,7 +24,7 @@ from ...policies.registry import policy_names
 from ...tokenizer import Tokenizer, load_tokenizer
 from .errors import FidelityError
 from .metrics import GlobalQueryRule
-from .report import _sort_key, markdown_table, plot_fidelity, write_csv
+from .report import POLICY_ORDER, markdown_table, plot_fidelity, write_csv
 from .study import measure_fidelity, study_runs
 from .traces import (
     Trace,
@@ -105,9 +105,9 @@ def add_fidelity_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.description = "Teacher-forced fidelity of KV-cache policies against FullKV on reasoning traces."
     add_trace_arguments(parser, num_traces=3, tokens=768)
     p = parser.add_argument_group("policies")
-    default_policies = [n for n in policy_names() if n != "full"]
-    p.add_argument("--policies", type=str_list, default=sorted(default_policies, key=_sort_key),
-                   help="comma-separated registry names (default: all but full)")
+    p.add_argument("--policies", type=str_list, default=list(POLICY_ORDER),
+                   help=f"comma-separated registry names (default: the paper's set, {','.join(POLICY_ORDER)}; "
+                        f"all: {','.join(n for n in policy_names() if n != 'full')})")
     p.add_argument("--budgets", type=int_list, default=list(DEFAULT_BUDGETS),
                    help="comma-separated budgets (default 64,128,256,512)")
     p.add_argument("--n-recent", type=int_or_auto, default=None,

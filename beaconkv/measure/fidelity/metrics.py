@@ -1,7 +1,15 @@
 """Per-step fidelity metrics: next-token KL, attention recall of held positions, global/local queries.
 
-Each query — one (step, layer, query head) — is *global* when the mean distance ``t - position``
-over its top-K attended keys exceeds a threshold (SPEC §1: K = 150, threshold 200), else *local*.
+Each query is one (step, layer, query head). Two rules split them into *global* and *local*:
+
+* :class:`GlobalQueryRule` — the paper's (SPEC §1): global when the mean distance ``t - position``
+  over its top-K attended keys exceeds a fixed threshold (K = 150, threshold 200 tokens, chosen for
+  32K-token traces). On contexts of a few thousand tokens it calls a third of all queries global:
+  the diffuse attention of a short context.
+* :class:`LengthAwareRule` — sparse at any length: global when the top-K mean distance exceeds a
+  fraction of the context *and* most of the query's attention mass lies on generated tokens outside
+  the recent window (not on the protected prompt, not on the last tokens): a query that revisits
+  earlier reasoning.
 """
 
 from __future__ import annotations
@@ -41,6 +49,70 @@ class GlobalQueryRule:
         return self.distance(weights, key_pos, query_pos) > self.threshold
 
 
+@dataclass(frozen=True)
+class LengthAwareRule:
+    """A global query at any length: it looks far back relative to the context, into generated text.
+
+    A query at position ``t`` is global when both hold:
+
+    * the mean distance of its ``top_k`` most attended keys exceeds ``fraction * (t + 1)``;
+    * at least ``mass`` of its attention lies on positions in ``[prompt, t - recent]``: generated
+      tokens outside the recent window (the protected prompt and the last ``recent`` tokens excluded).
+
+    Attributes:
+        top_k: K of the mean distance.
+        fraction: Share of the context the mean distance must exceed.
+        recent: The recent window, in tokens.
+        mass: Share of the attention mass that must lie on the far generated tokens.
+    """
+
+    top_k: int = 150
+    fraction: float = 0.25
+    recent: int = 64
+    mass: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise FidelityError(f"top_k={self.top_k} must be >= 1.")
+        if not 0 < self.fraction < 1:
+            raise FidelityError(f"fraction={self.fraction} must lie in (0, 1) (default 0.25).")
+        if self.recent < 0:
+            raise FidelityError(f"recent={self.recent} must be >= 0 (default 64).")
+        if not 0 < self.mass <= 1:
+            raise FidelityError(f"mass={self.mass} must lie in (0, 1] (default 0.5).")
+
+    def far_mass(self, weights: Tensor, key_pos: Tensor, query_pos: Tensor, prompt_len: Tensor) -> Tensor:
+        """Share of each query's attention on generated positions outside the recent window.
+
+        Args:
+            weights: ``(..., group, C)`` attention weights.
+            key_pos: ``(..., C)`` slot positions (``-1`` empty).
+            query_pos: Query positions, broadcastable to ``key_pos.shape[:-1]``.
+            prompt_len: Prompt lengths, broadcastable to ``key_pos.shape[:-1]``.
+        """
+        t, p = query_pos.unsqueeze(-1), prompt_len.unsqueeze(-1)
+        far = (key_pos >= p) & (key_pos <= t - self.recent)
+        return (weights * far.to(weights.dtype).unsqueeze(-2)).sum(-1)
+
+    def is_global(self, weights: Tensor, key_pos: Tensor, query_pos: Tensor, prompt_len: Tensor) -> Tensor:
+        """Bool mask of global queries, shaped like ``weights.shape[:-1]`` (arguments as :meth:`far_mass`)."""
+        dist = attention_distance(weights, key_pos, query_pos, self.top_k)
+        far_enough = dist > self.fraction * (query_pos.unsqueeze(-1) + 1).float()
+        return far_enough & (self.far_mass(weights, key_pos, query_pos, prompt_len) >= self.mass)
+
+
+def prompt_mass(weights: Tensor, key_pos: Tensor, prompt_len: Tensor) -> Tensor:
+    """Share of each query's attention on the protected prompt (positions ``< prompt_len``).
+
+    Args:
+        weights: ``(..., group, C)`` attention weights.
+        key_pos: ``(..., C)`` slot positions (``-1`` empty).
+        prompt_len: Prompt lengths, broadcastable to ``key_pos.shape[:-1]``.
+    """
+    on = (key_pos >= 0) & (key_pos < prompt_len.unsqueeze(-1))
+    return (weights * on.to(weights.dtype).unsqueeze(-2)).sum(-1)
+
+
 def kl_divergence(ref_logits: Tensor, logits: Tensor) -> Tensor:
     """``KL(softmax(ref) ‖ softmax(logits))`` per row, in nats.
 
@@ -68,13 +140,26 @@ def held_attention_mass(weights: Tensor, key_pos: Tensor, held_pos: Tensor) -> T
         ``(..., group)``: ``sum(weights over held positions)``; 1 when everything is held and the
         weights sum to 1.
     """
-    size = int(max(int(key_pos.max()), int(held_pos.max()), 0)) + 2
-    dump = size - 1  # empty slots scatter here, and it is cleared
-    held = torch.zeros(*held_pos.shape[:-1], size, dtype=weights.dtype, device=weights.device)
-    held.scatter_(-1, torch.where(held_pos >= 0, held_pos, dump), 1.0)
-    held[..., dump] = 0
-    on = torch.gather(held, -1, torch.where(key_pos >= 0, key_pos, dump))  # (..., C)
-    return (weights * on.unsqueeze(-2)).sum(-1)
+    return (weights * held_mask(key_pos, held_pos).to(weights.dtype).unsqueeze(-2)).sum(-1)
+
+
+def held_mask(key_pos: Tensor, held_pos: Tensor) -> Tensor:
+    """Whether each reference slot's position is among another cache's held positions.
+
+    A binary search per slot (no host read, memory ``O(C + C')`` per row): the held positions are
+    sorted (empties last) and each reference position looked up.
+
+    Args:
+        key_pos: ``(..., C)`` reference positions (``-1`` empty: never held).
+        held_pos: ``(..., C')`` held positions (``-1`` empty), in any order.
+
+    Returns:
+        ``(..., C)`` bool.
+    """
+    never = torch.iinfo(held_pos.dtype).max
+    ordered = torch.sort(torch.where(held_pos >= 0, held_pos, never), dim=-1).values
+    idx = torch.searchsorted(ordered, key_pos.contiguous()).clamp(max=ordered.shape[-1] - 1)
+    return (torch.gather(ordered, -1, idx) == key_pos) & (key_pos >= 0)
 
 
 def attention_distance(weights: Tensor, key_pos: Tensor, query_pos: Tensor, top_k: int = 150) -> Tensor:

@@ -22,8 +22,8 @@ from ...policies.base import EvictionPolicy
 from ...policies.config import PolicyConfigError
 from ...policies.registry import make_policy, policy_parameters
 from .errors import FidelityError
-from .lockstep import LockStep
-from .metrics import GlobalQueryRule, held_attention_mass, kl_divergence
+from .lockstep import LockStep, StepOutput
+from .metrics import GlobalQueryRule, LengthAwareRule, held_attention_mass, kl_divergence, prompt_mass
 from .traces import Trace, forced_tokens
 
 
@@ -99,7 +99,7 @@ class FidelityRow:
     """The measured figures of one policy at one budget, over one trace or all of them.
 
     Attributes:
-        policy: Registry name.
+        policy: The run's label (its registry name, or a variant's label).
         budget: ``B_max``.
         n_recent: Recent tokens kept.
         n_beacon: Beacons (BeaconKV-like policies), else None.
@@ -108,15 +108,22 @@ class FidelityRow:
         kl: Mean ``KL(full ‖ policy)`` of the next-token distribution (nats).
         top1: Share of steps whose argmax equals FullKV's.
         recall: Mean attention recall over all queries.
-        recall_global: Mean recall over global queries (NaN if none).
-        recall_local: Mean recall over local queries.
-        n_global: Global queries (steps x layers x query heads).
+        recall_global: Mean recall over the paper rule's global queries (NaN if none).
+        recall_local: Mean recall over its local queries.
+        n_global: The paper rule's global queries (steps x layers x query heads).
         n_queries: All queries.
         evictions: Evictions per trace (mean for ``"all"``).
+        recall_global_la: Mean recall over the length-aware rule's global queries (NaN if none).
+        recall_local_la: Mean recall over its local queries.
+        n_global_la: The length-aware rule's global queries.
+        prompt_mass: Mean share of the reference queries' attention on the protected prompt.
+        prompt_mass_global: The same over the paper rule's global queries.
+        query_memory: Mean pre-RoPE query vectors held per head (BeaconKV-like policies; NaN otherwise).
+        query_memory_max: The most held at any step.
     """
 
     policy: str
-    budget: int
+    budget: int | None
     n_recent: int
     n_beacon: int | None
     trace: str
@@ -129,6 +136,17 @@ class FidelityRow:
     n_global: int
     n_queries: int
     evictions: float
+    recall_global_la: float = float("nan")
+    recall_local_la: float = float("nan")
+    n_global_la: int = 0
+    prompt_mass: float = float("nan")
+    prompt_mass_global: float = float("nan")
+    query_memory: float = float("nan")
+    query_memory_max: float = float("nan")
+
+
+_SUMS = ("kl", "top1", "mass", "mass_global", "n_global", "n_queries", "mass_global_la", "n_global_la",
+         "prompt_mass", "prompt_mass_global", "memory", "memory_max")
 
 
 @dataclass
@@ -136,44 +154,83 @@ class _Tally:
     """Per-trace running sums of one run's metrics (float64)."""
 
     batch: int
-    kl: Tensor = field(init=False)
-    top1: Tensor = field(init=False)
-    mass: Tensor = field(init=False)
-    mass_global: Tensor = field(init=False)
-    n_global: Tensor = field(init=False)
-    n_queries: Tensor = field(init=False)
+    sums: dict[str, Tensor] = field(init=False)
     steps: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("kl", "top1", "mass", "mass_global", "n_global", "n_queries"):
-            setattr(self, name, torch.zeros(self.batch, dtype=torch.float64))
+        self.sums = {name: torch.zeros(self.batch, dtype=torch.float64) for name in _SUMS}
 
-    def add(self, kl: Tensor, agree: Tensor, mass: Tensor, is_global: Tensor) -> None:
-        """Adds one step: ``kl``/``agree`` ``(batch,)``; ``mass``/``is_global`` ``(layers, batch, kv, group)``."""
+    def add(self, kl: Tensor, agree: Tensor, mass: Tensor, classes: StepClasses, memory: list[int] | None) -> None:
+        """Adds one step: ``kl``/``agree`` ``(batch,)``; ``mass`` and the classes ``(layers, batch, kv, group)``."""
         dims = (0, 2, 3)
-        self.kl += kl.double()
-        self.top1 += agree.double()
-        self.mass += mass.double().sum(dims)
-        self.mass_global += (mass.double() * is_global).sum(dims)
-        self.n_global += is_global.double().sum(dims)
-        self.n_queries += mass.numel() // self.batch  # layers x query heads per trace
+        m = mass.double()
+        s = self.sums
+        s["kl"] += kl.double()
+        s["top1"] += agree.double()
+        s["mass"] += m.sum(dims)
+        s["mass_global"] += (m * classes.paper).sum(dims)
+        s["n_global"] += classes.paper.double().sum(dims)
+        s["mass_global_la"] += (m * classes.length_aware).sum(dims)
+        s["n_global_la"] += classes.length_aware.double().sum(dims)
+        s["n_queries"] += mass.numel() // self.batch  # layers x query heads per trace
+        s["prompt_mass"] += classes.prompt_mass.double().sum(dims)
+        s["prompt_mass_global"] += (classes.prompt_mass.double() * classes.paper).sum(dims)
+        if memory is not None:
+            held = torch.tensor(memory[: self.batch], dtype=torch.float64)
+            s["memory"] += held
+            s["memory_max"] = torch.maximum(s["memory_max"], held)
+        else:
+            s["memory"].fill_(float("nan"))
         self.steps += 1
 
     def row(self, run: Run, trace: str, b: slice, evictions: float) -> FidelityRow:
         """Summarises traces ``b`` into a :class:`FidelityRow`."""
-        n_steps = self.steps * len(range(*b.indices(self.batch)))
-        kl, top1 = float(self.kl[b].sum()), float(self.top1[b].sum())
-        mass, mass_g = float(self.mass[b].sum()), float(self.mass_global[b].sum())
-        n_g, n_q = float(self.n_global[b].sum()), float(self.n_queries[b].sum())
-        n_l = n_q - n_g
+        n_traces = len(range(*b.indices(self.batch)))
+        n_steps = self.steps * n_traces
+        v = {k: float(t[b].sum()) for k, t in self.sums.items()}
+        n_g, n_q, n_la = v["n_global"], v["n_queries"], v["n_global_la"]
+
+        def share(num: float, den: float) -> float:
+            return num / den if den else float("nan")
+
         return FidelityRow(
             policy=run.name, budget=run.policy.budget, n_recent=run.policy.n_recent,
             n_beacon=getattr(run.policy, "n_beacon", None), trace=trace, steps=n_steps,
-            kl=kl / max(n_steps, 1), top1=top1 / max(n_steps, 1), recall=mass / max(n_q, 1),
-            recall_global=mass_g / n_g if n_g else float("nan"),
-            recall_local=(mass - mass_g) / n_l if n_l else float("nan"),
+            kl=v["kl"] / max(n_steps, 1), top1=v["top1"] / max(n_steps, 1), recall=v["mass"] / max(n_q, 1),
+            recall_global=share(v["mass_global"], n_g), recall_local=share(v["mass"] - v["mass_global"], n_q - n_g),
             n_global=int(n_g), n_queries=int(n_q), evictions=evictions,
+            recall_global_la=share(v["mass_global_la"], n_la),
+            recall_local_la=share(v["mass"] - v["mass_global_la"], n_q - n_la), n_global_la=int(n_la),
+            prompt_mass=share(v["prompt_mass"], n_q), prompt_mass_global=share(v["prompt_mass_global"], n_g),
+            query_memory=share(v["memory"], n_steps),
+            query_memory_max=float(self.sums["memory_max"][b].max()) if v["memory"] == v["memory"] else float("nan"),
         )
+
+
+@dataclass
+class StepClasses:
+    """The reference queries of one step, classified (every tensor ``(layers, batch, kv, group)``).
+
+    Attributes:
+        paper: Global under the paper's rule.
+        length_aware: Global under the length-aware rule.
+        prompt_mass: Share of each query's attention on the protected prompt.
+    """
+
+    paper: Tensor
+    length_aware: Tensor
+    prompt_mass: Tensor
+
+
+def classify(out: StepOutput, rule: GlobalQueryRule, sparse_rule: LengthAwareRule, prompt_len: Tensor) -> StepClasses:
+    """Classifies the reference queries of one lock-step step under both rules."""
+    B = out.query_pos.shape[0]
+    qpos, plen = out.query_pos.view(1, B, 1), prompt_len.view(1, B, 1)
+    return StepClasses(
+        rule.is_global(out.weights, out.key_pos, qpos),
+        sparse_rule.is_global(out.weights, out.key_pos, qpos, plen),
+        prompt_mass(out.weights, out.key_pos, plen),
+    )
 
 
 def measure_fidelity(
@@ -185,6 +242,7 @@ def measure_fidelity(
     stack: bool = True,
     progress: bool = True,
     kv_storage: str = "dense",
+    sparse_rule: LengthAwareRule | None = None,
 ) -> list[FidelityRow]:
     """Runs the lock-step study and returns one row per (policy, budget) x (each trace, ``"all"``).
 
@@ -193,10 +251,11 @@ def measure_fidelity(
         traces: Token streams (batched together; each forces its first ``n_tokens`` output tokens).
         runs: Compressed runs (see :func:`study_runs`).
         n_tokens: Decode steps per trace.
-        rule: Global/local classification of queries (default: SPEC §1, K = 150, threshold 200).
+        rule: The paper's global/local rule (default: SPEC §1, K = 150, threshold 200).
         stack: Batch the dense layers of all runs (see :class:`LockStep`).
         progress: Show a tqdm progress bar.
         kv_storage: Storage of the compressed runs' caches (``"dense"`` or ``"int8"``).
+        sparse_rule: The length-aware global/local rule (default :class:`LengthAwareRule`).
 
     Returns:
         The rows, ``"all"`` rows first in run order, then per-trace rows.
@@ -205,6 +264,7 @@ def measure_fidelity(
         FidelityError: No run, no trace, or a trace shorter than ``n_tokens``.
     """
     rule = rule or GlobalQueryRule()
+    sparse_rule = sparse_rule or LengthAwareRule(top_k=rule.top_k)
     if not runs:
         raise FidelityError("no policy/budget to measure; pass --policies and --budgets.")
     if not traces:
@@ -213,19 +273,23 @@ def measure_fidelity(
     lock = LockStep(model, [r.policy for r in runs], [t.prompt_ids for t in traces], n_tokens, stack=stack,
                     kv_storage=kv_storage)
     B = len(traces)
+    prompt_len = torch.tensor([len(t.prompt_ids) for t in traces], device=lock.device)
     tallies = [_Tally(B) for _ in runs]
     lock.prefill()
     bar = tqdm(range(n_tokens), desc=f"fidelity ({len(runs)} runs x {B} traces)", unit="tok", disable=not progress)
     for s in bar:
         out = lock.step(tokens[:, s])
-        is_global = rule.is_global(out.weights, out.key_pos, out.query_pos.view(1, B, 1))
+        classes = classify(out, rule, sparse_rule, prompt_len)
         ref = out.logits[0]
         ref_top = ref.argmax(-1)
-        for r, tally in enumerate(tallies, start=1):
+        for r, (tally, session) in enumerate(zip(tallies, lock.sessions[1:]), start=1):
             mass = held_attention_mass(out.weights, out.key_pos, out.held_pos[r - 1])
-            tally.add(kl_divergence(ref, out.logits[r]), out.logits[r].argmax(-1) == ref_top, mass, is_global)
+            held = getattr(session.policy, "held_queries", None)
+            tally.add(kl_divergence(ref, out.logits[r]), out.logits[r].argmax(-1) == ref_top, mass, classes,
+                      held(session.state) if held is not None else None)
         if progress and s % 32 == 0:
-            bar.set_postfix(global_share=f"{float(is_global.float().mean()):.3f}")
+            bar.set_postfix(global_share=f"{float(classes.paper.float().mean()):.3f}",
+                            la_share=f"{float(classes.length_aware.float().mean()):.3f}")
     rows = []
     evictions = [s.state.stats.evictions for s in lock.sessions[1:]]
     for run, tally, ev in zip(runs, tallies, evictions):
