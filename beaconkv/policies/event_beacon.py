@@ -60,11 +60,12 @@ class EventState(BeaconState):
 class EventBeaconKV(BeaconKV):
     """BeaconKV whose beacons also take in far-looking queries as they happen (see the module docstring).
 
+    The other arguments are :class:`~beaconkv.policies.beacon.BeaconKV`'s.
+
     Args:
         n_events: Event beacons per query head (a ring of the latest far-looking queries).
         event_mass: Share of a query's attention on far generated tokens that makes it an event.
         event_window: The recent window excluded from "far", in tokens.
-        (the other arguments are :class:`~beaconkv.policies.beacon.BeaconKV`'s)
 
     Raises:
         PolicyConfigError: ``n_events < 1``, ``event_mass`` outside (0, 1], ``event_window < 0``.
