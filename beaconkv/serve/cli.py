@@ -1,0 +1,220 @@
+"""``beaconkv serve``: its options, their validation, and the start of the server.
+
+This module needs neither fastapi nor uvicorn, so ``beaconkv.cli`` can import it at the top and
+every other command works without the ``serve`` extra: :func:`run_serve` checks every setting
+(policy and budget, limits against the model's positions, dtype, device, the port) before it
+imports the server and before it loads the model, so a mistake costs a second and one line
+(``beaconkv serve: error: ...``, exit status 2), never a model load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..arguments import (
+    add_kv_storage_argument,
+    add_model_arguments,
+    model_path,
+    positive_int,
+)
+from ..engine import Engine
+from ..execution import CompileConfig
+from ..models.config import ModelConfig
+from ..models.loading import (
+    load_model,
+    resolve_checkpoint,
+    resolve_device,
+    resolve_dtype,
+)
+from ..policies.base import EvictionPolicy
+from ..policies.registry import make_policy, policy_names
+from ..tokenizer import load_tokenizer
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+"""``--log-level`` choices (uvicorn's)."""
+
+
+class ServeError(ValueError):
+    """A server setting that cannot work (a busy port, limits beyond the model, the ``serve`` extra missing)."""
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 (any free port) to 65535 (an argparse type)."""
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}") from err
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {value}")
+    return value
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the ``beaconkv serve`` options to ``parser``.
+
+    Args:
+        parser: A parser (or subparser).
+
+    Returns:
+        The same parser.
+    """
+    parser.description = ("An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, "
+                          "/health, /metrics) over the continuous-batching engine.")
+    m = parser.add_argument_group("model")
+    add_model_arguments(m)
+    m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names requests may use as 'model' (default: the --model directory's name, the hub id, "
+                        "or 'embedded')")
+    m.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    m.add_argument("--compile", action="store_true",
+                   help="compile the decode step and the policy's work (the first request pays for it)")
+    add_kv_storage_argument(m)
+    p = parser.add_argument_group("eviction policy")
+    p.add_argument("--policy", default="beacon", help=f"registry name: {', '.join(policy_names())} (default beacon)")
+    p.add_argument("--budget", type=int, default=1024,
+                   help="evictable tokens kept per request and KV head (default 1024; ignored by full)")
+    p.add_argument("--n-recent", type=int, default=None, help="recent tokens always kept (policy default)")
+    p.add_argument("--n-beacon", type=int, default=None, help="beacons per query head (BeaconKV)")
+    e = parser.add_argument_group("engine")
+    e.add_argument("--max-batch", type=positive_int, default=8, help="cache slots: requests decoded together (default 8)")
+    e.add_argument("--prompt-capacity", type=positive_int, default=1024,
+                   help="longest prompt a slot takes, in tokens (default 1024)")
+    e.add_argument("--max-new-tokens", type=positive_int, default=2048,
+                   help="most new tokens a request may ask for; also the default max_tokens (default 2048)")
+    e.add_argument("--max-queue", type=positive_int, default=256,
+                   help="requests waiting for a slot before calls get HTTP 429 (default 256)")
+    e.add_argument("--seed", type=int, default=0, help="seeds the sampling of requests sent without a seed (default 0)")
+    s = parser.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    s.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    s.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level (default info)")
+    return parser
+
+
+def policy_from_args(args: argparse.Namespace) -> EvictionPolicy:
+    """The policy ``--policy``, ``--budget``, ``--n-recent`` and ``--n-beacon`` describe.
+
+    Raises:
+        beaconkv.policies.PolicyConfigError: An unknown name or settings the policy rejects.
+    """
+    kw = {k: v for k, v in (("n_recent", args.n_recent), ("n_beacon", args.n_beacon)) if v is not None}
+    return make_policy(args.policy, budget=args.budget, **kw)
+
+
+def served_names(model: str | None, names: list[str] | None) -> list[str]:
+    """The names the server answers to: ``--served-model-name``, else one derived from ``--model``.
+
+    Args:
+        model: ``--model`` as given (None: the embedded model).
+        names: ``--served-model-name`` values, if any.
+
+    Returns:
+        ``names``; else ``"embedded"`` for the embedded model, a local directory's name, or the hub id.
+
+    Raises:
+        ServeError: An empty name.
+    """
+    if names:
+        if any(not n.strip() for n in names):
+            raise ServeError(f"--served-model-name {names!r} holds an empty name; give non-empty names.")
+        return list(dict.fromkeys(names))
+    if model in (None, "embedded"):
+        return ["embedded"]
+    path = Path(model).expanduser()
+    return [path.resolve().name] if path.is_dir() else [model]
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening: until the server starts, clients are refused).
+
+    Raises:
+        ServeError: The address is taken, not local, or not allowed.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise ServeError(f"--host {host!r} is not an address of this machine ({err.strerror}); "
+                         "use 127.0.0.1, 0.0.0.0 or a local address.") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        hint = ("another server listens there; stop it or pass another --port"
+                if err.errno == errno.EADDRINUSE else "pass another --host or --port")
+        raise ServeError(f"cannot listen on {host}:{port}: {err.strerror}; {hint}.") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _check_limits(args: argparse.Namespace, directory: Path) -> None:
+    limit = ModelConfig.from_file(directory).max_position_embeddings
+    if args.prompt_capacity + args.max_new_tokens > limit:
+        raise ServeError(f"--prompt-capacity {args.prompt_capacity} + --max-new-tokens {args.max_new_tokens} = "
+                         f"{args.prompt_capacity + args.max_new_tokens} exceeds the model's max_position_embeddings="
+                         f"{limit}; lower one of them.")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``beaconkv serve``: checks the settings, loads the model and serves until Ctrl-C.
+
+    Args:
+        args: Parsed :func:`add_serve_arguments` options.
+
+    Returns:
+        0 after a clean stop (1 if the engine thread failed); Ctrl-C ends with KeyboardInterrupt,
+        which :func:`beaconkv.command.run_command` turns into exit status 130.
+
+    Raises:
+        beaconkv.policies.PolicyConfigError: An unknown policy or a budget it rejects.
+        ServeError: Limits beyond the model's positions, a busy port, an empty name, or fastapi and
+            uvicorn missing.
+        ValueError: An unknown dtype or an unavailable device.
+        FileNotFoundError: No such checkpoint.
+    """
+    policy = policy_from_args(args)
+    names = served_names(args.model, args.served_model_name)
+    resolve_dtype(args.dtype)
+    resolve_device(args.device)
+    path = model_path(args.model)
+    directory = resolve_checkpoint(path)
+    _check_limits(args, directory)
+    try:
+        # The one function-level import of this package: beaconkv.serve.server needs fastapi and uvicorn
+        # (the optional `serve` extra), and importing it here keeps `beaconkv.cli`, which imports this
+        # module, working for every other command when they are not installed.
+        from . import server
+    except ImportError as err:
+        raise ServeError(f"beaconkv serve needs fastapi and uvicorn ({err}); install them with "
+                         "pip install 'beaconkv[serve]'.") from None
+    sock = bind_socket(args.host, args.port)
+    try:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        t0 = time.perf_counter()
+        model = load_model(directory, dtype=args.dtype, device=args.device)
+        tokenizer = load_tokenizer(directory)
+        engine = Engine(model, tokenizer, policy=policy, max_batch=args.max_batch, prompt_capacity=args.prompt_capacity,
+                        max_new_tokens=args.max_new_tokens, kv_storage=args.kv_storage,
+                        compile=CompileConfig() if args.compile else False, max_queue=args.max_queue, seed=args.seed)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"beaconkv serve: loaded {path} ({model.config.model_type}, {args.dtype}) in "
+              f"{time.perf_counter() - t0:.1f}s; {args.max_batch} slots of {engine.slot_capacity} tokens "
+              f"({engine.cache_bytes / 2**20:.0f} MiB, {args.kv_storage}), {policy!r}", file=sys.stderr)
+        banner = (f"beaconkv serve: serving {', '.join(names)} at http://{shown}:{port}/v1 "
+                  f"(prompts up to {args.prompt_capacity} tokens, up to {args.max_new_tokens} new tokens; "
+                  "Ctrl-C stops)")
+        return server.serve(engine, tokenizer, names, sock, threads=args.threads, log_level=args.log_level,
+                            banner=banner)
+    finally:
+        sock.close()

@@ -1,0 +1,445 @@
+"""``beaconkv serve`` end to end: a real server (the embedded model, a small BeaconKV budget that
+evicts) in a subprocess, driven with the official ``openai`` client and raw ``httpx``.
+
+Covered: chat and text completions, streaming equal to the non-streamed text, usage, ``n`` with
+derived seeds, stop strings, 16 concurrent calls, a client that disconnects mid-stream (its slot
+frees), OpenAI-style 400s for bad input, 429 + ``Retry-After`` from a full queue, ``/health``,
+``/metrics``, ``/v1/models``, a clean Ctrl-C, and the command's one-line errors before any load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from beaconkv.cli import main
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "smol"
+MAX_NEW = 64
+# A small pool that evicts: prompts up to 128 tokens, BeaconKV keeping 32 evictable tokens.
+COMMON = ["--policy", "beacon", "--budget", "32", "--n-recent", "4", "--prompt-capacity", "128",
+          "--max-new-tokens", str(MAX_NEW), "--threads", "2", "--log-level", "warning", "--served-model-name", NAME]
+QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``beaconkv serve`` subprocess on a free port."""
+
+    def __init__(self, *extra: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - lives as long as the server
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "beaconkv.cli", "serve", "--port", str(self.port), *COMMON, *extra],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env, text=True)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait_ready(self, timeout: float = 120.0) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"beaconkv serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        pytest.fail(f"beaconkv serve was not ready after {timeout}s:\n{self.output()}")
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server("--max-batch", "8", "--max-queue", "64")
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def metrics(http) -> dict[str, float]:
+    """``/metrics`` parsed: ``name`` or ``name{labels}`` -> value (and every family has HELP and TYPE lines)."""
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out, typed = {}, set()
+    for line in r.text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            assert key.split("{")[0] in typed, line
+            out[key] = float(value)
+    return out
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def sse_data(lines) -> list:
+    """The JSON payloads of server-sent ``data:`` lines (``[DONE]`` as the string)."""
+    return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+# ------------------------------------------------------------------------------------ the basics
+def test_models_and_health(client, http):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_chat_completion(client):
+    r = client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=12, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.object == "chat.completion" and r.model == NAME and len(r.choices) == 1
+    choice = r.choices[0]
+    assert choice.index == 0 and choice.message.role == "assistant" and choice.message.content.strip()
+    assert choice.finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 10 and 1 <= u.completion_tokens <= 12
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+
+def test_text_completion_of_texts_and_token_ids(client):
+    ask = {"model": NAME, "max_tokens": 4, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    with ThreadPoolExecutor(2) as pool:
+        texts = pool.submit(client.completions.create, prompt=["The capital of France is", "One, two,"], **ask)
+        ids = pool.submit(client.completions.create, prompt=[504, 3575, 282], **ask)
+        r, by_ids = texts.result(), ids.result()
+    assert r.object == "text_completion" and [c.index for c in r.choices] == [0, 1]
+    assert all(c.text and c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == r.usage.total_tokens - 8 > 3
+    assert by_ids.choices[0].text and by_ids.usage.prompt_tokens == 3
+
+
+def test_streaming_equals_the_non_streamed_text(client):
+    chat = {"model": NAME, "messages": QUESTION, "max_tokens": 24, "temperature": 0, "seed": 7}
+    text = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "seed": 7}
+
+    def stream_chat():
+        return list(client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))
+
+    def stream_text():
+        return list(client.completions.create(**text, stream=True))
+
+    with ThreadPoolExecutor(4) as pool:  # all four run together in the pool's slots
+        jobs = [pool.submit(client.chat.completions.create, **chat), pool.submit(stream_chat),
+                pool.submit(client.completions.create, **text), pool.submit(stream_text)]
+        plain_chat, chunks, plain_text, text_chunks = (j.result() for j in jobs)
+
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == plain_chat.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [plain_chat.choices[0].finish_reason]
+    last = chunks[-1]  # include_usage: a last chunk with no choices and the usage
+    assert last.choices == [] and last.usage.model_dump() == plain_chat.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+    assert all(c.object == "text_completion" for c in text_chunks)
+    assert "".join(c.choices[0].text for c in text_chunks) == plain_text.choices[0].text
+    assert text_chunks[-1].choices[0].finish_reason == plain_text.choices[0].finish_reason
+
+
+def test_n_choices_are_independent_requests_with_derived_seeds(client):
+    ask = {"model": NAME, "messages": QUESTION, "max_tokens": 10, "temperature": 1.0}
+    with ThreadPoolExecutor(3) as pool:
+        both, first, second = (j.result() for j in [pool.submit(client.chat.completions.create, **ask, n=2, seed=5),
+                                                     pool.submit(client.chat.completions.create, **ask, seed=5),
+                                                     pool.submit(client.chat.completions.create, **ask, seed=6)])
+    assert [c.index for c in both.choices] == [0, 1]
+    # choice i is seeded seed + i: the same as asking for it alone with that seed
+    assert both.choices[0].message.content == first.choices[0].message.content
+    assert both.choices[1].message.content == second.choices[0].message.content
+    assert both.choices[0].message.content != both.choices[1].message.content
+    assert both.usage.prompt_tokens == first.usage.prompt_tokens  # one prompt, counted once
+    assert both.usage.completion_tokens == first.usage.completion_tokens + second.usage.completion_tokens
+
+
+def test_stop_string_ends_the_text_before_it(client):
+    ask = {"model": NAME, "prompt": "Here is a list of fruits: apples,", "max_tokens": 20, "temperature": 0,
+           "extra_body": {"ignore_eos": True}}
+    full = client.completions.create(**ask).choices[0].text
+    words = re.findall(r"[A-Za-z]{3,}", full)
+    assert words, full
+    stop = words[len(words) // 2]
+    expected = full[: full.index(stop)]
+    got = client.completions.create(**ask, stop=[stop, "NEVER-SEEN"]).choices[0]
+    assert got.text == expected and got.finish_reason == "stop"
+
+
+def test_sixteen_concurrent_calls(server):
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        async with aclient:
+            prompts = ["Name a color.", "Count to three."]
+            calls = [aclient.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompts[i % 2]}],
+                                                     max_tokens=10, temperature=0) for i in range(16)]
+            return await asyncio.gather(*calls)
+
+    results = asyncio.run(run())
+    assert len(results) == 16
+    texts = [r.choices[0].message.content for r in results]
+    assert all(t for t in texts)
+    assert len(set(texts[0::2])) == 1 and len(set(texts[1::2])) == 1  # identical greedy calls, identical outputs
+
+
+# --------------------------------------------------------------------------- disconnects, metrics
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, http):
+    before = metrics(http)
+    body = {"model": NAME, "messages": QUESTION, "max_tokens": MAX_NEW, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()  # kept: leaving a loop over it would close it, and the connection with it
+        tokens = 0
+        while tokens < 2:
+            line = next(lines)
+            tokens += line.startswith("data: ") and '"content":"' in line and '"content":""' not in line
+        assert metrics(http)["beaconkv_requests_running"] == 1
+    # the connection is closed: the request is cancelled and its slot frees within a step or two,
+    # long before its 64 tokens would have been generated
+    assert wait_for(lambda: metrics(http)["beaconkv_requests_running"] == 0, timeout=3.0)
+    after = metrics(http)
+    assert after['beaconkv_requests_finished_total{finish_reason="cancelled"}'] == \
+        before['beaconkv_requests_finished_total{finish_reason="cancelled"}'] + 1
+    assert after["beaconkv_slots_used"] == 0
+
+    # a non-streamed call whose client gives up (a timeout) is cancelled too: the route watches the connection
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=1.0)
+    assert wait_for(lambda: metrics(http)["beaconkv_requests_running"] == 0, timeout=3.0)
+    assert metrics(http)['beaconkv_requests_finished_total{finish_reason="cancelled"}'] == \
+        after['beaconkv_requests_finished_total{finish_reason="cancelled"}'] + 1
+
+
+def test_metrics_names_and_counters_grow(client, http):
+    before = metrics(http)
+    for name in ("beaconkv_requests_running", "beaconkv_requests_queued", "beaconkv_generated_tokens_total",
+                 "beaconkv_tokens_per_second", "beaconkv_slots_used", "beaconkv_slots_total",
+                 "beaconkv_evictions_total", 'beaconkv_requests_finished_total{finish_reason="length"}',
+                 'beaconkv_requests_finished_total{finish_reason="stop"}', "beaconkv_decode_steps_total",
+                 'beaconkv_requests_refused_total{reason="queue_full"}'):
+        assert name in before, name
+    assert before["beaconkv_slots_total"] == 8
+    # 48 new tokens with a 32-token budget: this request evicts
+    r = client.completions.create(model=NAME, prompt="Tell me a story.", max_tokens=48, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = metrics(http)
+    assert after["beaconkv_generated_tokens_total"] - before["beaconkv_generated_tokens_total"] == 48
+    assert r.usage.completion_tokens == 48
+    finished = 'beaconkv_requests_finished_total{finish_reason="length"}'
+    assert after[finished] == before[finished] + 1
+    assert after["beaconkv_evictions_total"] > before["beaconkv_evictions_total"]
+    assert after["beaconkv_decode_steps_total"] > before["beaconkv_decode_steps_total"]
+    assert after["beaconkv_tokens_per_second"] > 0 and after["beaconkv_requests_running"] == 0
+
+
+# ------------------------------------------------------------------------------------ bad input
+TOO_LONG = "hello " * 200
+BAD = [
+    ("/v1/chat/completions", {"model": NAME}, "messages"),
+    ("/v1/chat/completions", {"model": NAME, "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": NAME, "messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "temperature": -0.5}, "temperature"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "top_p": 0}, "top_p"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "top_p": 1.5}, "top_p"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "max_tokens": MAX_NEW + 1}, "max_tokens"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "max_completion_tokens": 1000},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "max_tokens": "many"}, "max_tokens"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "n": 0}, "n"),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": QUESTION}, "model"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": TOO_LONG}]}, "messages"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "logprobs": True}, "logprobs"),
+    ("/v1/completions", {"model": NAME, "prompt": TOO_LONG}, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": ""}, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": [10**9]}, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": "hi", "stop": [""]}, "stop"),
+    ("/v1/completions", {"model": NAME, "prompt": 5}, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": "hi", "echo": True}, "echo"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD, ids=[f"{p.rsplit('/', 1)[1]}-{k}-{i}" for i, (p, _, k) in enumerate(BAD)])
+def test_bad_request_gets_400_with_the_openai_error_shape(http, path, body, param):
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_bad_request_details(http):
+    r = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    error = http.post("/v1/completions", json={"model": NAME, "prompt": TOO_LONG}).json()["error"]
+    assert error["code"] == "context_length_exceeded" and "--prompt-capacity" in error["message"]
+    assert "128" in error["message"]
+    error = http.post("/v1/chat/completions", json={"model": NAME, "messages": QUESTION, "max_tokens": 65}).json()["error"]
+    assert "max_tokens=65" in error["message"] and "--max-new-tokens" in error["message"]
+    r = http.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_openai_client_raises_bad_request_error(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=NAME, messages=QUESTION, temperature=-1)
+    assert err.value.body["param"] == "temperature" and "temperature=-1" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="gpt-4", prompt="hi")
+    assert err.value.body["code"] == "model_not_found" and NAME in err.value.body["message"]
+
+
+# --------------------------------------------------------------------- a full queue, and Ctrl-C
+@pytest.fixture(scope="module")
+def small_server():
+    srv = Server("--max-batch", "1", "--max-queue", "1")
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def test_a_full_queue_answers_429_with_retry_after(small_server):
+    body = {"model": NAME, "messages": QUESTION, "max_tokens": MAX_NEW, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+
+    async def one(c):
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                return r.status_code, r.headers.get("retry-after"), json.loads(await r.aread())
+            async for line in r.aiter_lines():  # a first token: then close (the request is cancelled)
+                if '"content":"' in line and '"content":""' not in line:
+                    break
+            return 200, None, None
+
+    async def run():
+        async with httpx.AsyncClient(base_url=small_server.url, timeout=60) as c:
+            return await asyncio.gather(*[one(c) for _ in range(5)])
+
+    results = asyncio.run(run())
+    statuses = sorted(s for s, _, _ in results)
+    assert statuses.count(200) >= 1 and statuses.count(429) >= 1, statuses  # 1 slot + 1 waiting, the rest refused
+    for status, retry_after, body in results:
+        if status == 429:
+            assert int(retry_after) >= 1
+            assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "queue_full"
+            assert "--max-queue" in body["error"]["message"]
+    with httpx.Client(base_url=small_server.url) as c:
+        assert wait_for(lambda: metrics(c)["beaconkv_requests_running"] == 0, timeout=5.0)
+        assert metrics(c)['beaconkv_requests_refused_total{reason="queue_full"}'] == statuses.count(429)
+
+
+def test_ctrl_c_stops_the_server_cleanly_mid_stream(small_server):
+    body = {"model": NAME, "messages": QUESTION, "max_tokens": MAX_NEW, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read():
+        try:
+            with httpx.Client(base_url=small_server.url, timeout=60) as c, \
+                    c.stream("POST", "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if '"content":"' in line and '"content":""' not in line:
+                        started.set()
+        except httpx.HTTPError:
+            pass
+        started.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(30)
+    t0 = time.monotonic()
+    small_server.proc.send_signal(signal.SIGINT)
+    rc = small_server.proc.wait(20)
+    reader.join(10)
+    assert rc in (0, 130), small_server.output()
+    assert time.monotonic() - t0 < 10
+    out = small_server.output()
+    assert "Traceback" not in out, out
+    assert not reader.is_alive()
+    events = sse_data(lines)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "service_unavailable"
+
+
+# ----------------------------------------------------------------------- the command's own errors
+def test_serve_rejects_an_unknown_policy_before_loading(capsys):
+    assert main(["serve", "--policy", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("beaconkv serve: error: ") and "'nope'" in err[0]
+
+
+def test_serve_rejects_limits_beyond_the_model_and_a_busy_port(capsys):
+    assert main(["serve", "--prompt-capacity", "8000", "--max-new-tokens", "1000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "max_position_embeddings=8192" in err[0]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        t0 = time.monotonic()
+        assert main(["serve", "--port", str(busy.getsockname()[1])]) == 2
+        assert time.monotonic() - t0 < 10  # refused before the model loads
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("beaconkv serve: error: cannot listen on 127.0.0.1:") and "--port" in err[0]
