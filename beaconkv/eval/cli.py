@@ -35,8 +35,10 @@ AIME24 and MATH-500 are read from the project's data/ folder unless --data FILE 
 location (--hub-repo, --hub-file, --hub-revision) names another source; the other
 benchmarks come from the hub (or --data FILE).
 
-Re-running the same command skips finished samples; results go to
-<out>/<benchmark>__<policy>__b<budget>.jsonl and the table to <out>/summary.md.
+All samples of a run flow through one engine of --max-batch cache slots (continuous
+batching); each is written to the results as soon as it finishes. Re-running the same command
+skips finished samples; results go to <out>/<benchmark>__<policy>__b<budget>.jsonl and the
+table to <out>/summary.md.
 """
 
 
@@ -121,9 +123,6 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0, help="base seed of the per-sample seeds")
     gen.add_argument(
-        "--batch-size", type=int, default=1, help="samples of one problem generated together"
-    )
-    gen.add_argument(
         "--enable-thinking",
         choices=("auto", "true", "false"),
         default="auto",
@@ -133,6 +132,19 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     run = parser.add_argument_group("run")
     run.add_argument("--out", default="results", help="results folder (default: results)")
     run.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    run.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="cache slots of the engine: samples decoded together; a finished sample's slot goes "
+        "to the next one at once (default: 8; results do not depend on it)",
+    )
+    run.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="compile the decode step and the policy's work with torch.compile (default: off)",
+    )
     run.add_argument(
         "--dtype",
         default="auto",
@@ -182,11 +194,12 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
-        batch_size=args.batch_size,
         out_dir=args.out,
         dtype=args.dtype,
         device=args.device,
         kv_storage=args.kv_storage,
+        compile=args.compile,
+        max_batch=args.max_batch,
         enable_thinking={"auto": None, "true": True, "false": False}[args.enable_thinking],
         save_token_ids=args.save_token_ids,
         code_timeout_s=args.code_timeout,

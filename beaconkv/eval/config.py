@@ -25,7 +25,13 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _at_least_one(name: str, flag: str, value: int | None) -> None:
-    if value is not None and value < 1:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):  # a ValueError, as every config error
+        raise ValueError(  # noqa: TRY004
+            f"{name}={value!r} must be a whole number >= 1; pass {flag} N with N >= 1"
+        )
+    if value < 1:
         raise ValueError(f"{name}={value} must be >= 1; pass {flag} N with N >= 1")
 
 
@@ -55,13 +61,17 @@ class EvalConfig:
         top_p: Nucleus sampling threshold (paper: 0.95).
         top_k: Top-k (0: off).
         seed: Base seed of every per-sample seed and of the GPQA choice shuffle.
-        batch_size: Samples of one problem generated together.
+        max_batch: Cache slots of the run's engine: samples decoded together (continuous
+            batching — a finished sample's slot goes to the next pending one). Results do not
+            depend on it (every sample has its own seed), so it is not a resume setting.
         out_dir: Results folder.
         dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``,
             ``"float16"``.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (each rank uses ``cuda:<local rank>``).
         kv_storage: How the KV cache holds keys and values: ``"dense"`` or ``"int8"`` (see
             :mod:`beaconkv.storage`).
+        compile: Compile the decode step and the policy's device work (``torch.compile``; CUDA
+            graphs on CUDA). Not a resume setting.
         enable_thinking: Passed to the chat template when not ``None``.
         save_token_ids: Store the generated token ids in each record.
         code_timeout_s: Wall time limit per code test.
@@ -92,11 +102,12 @@ class EvalConfig:
     top_p: float = 0.95
     top_k: int = 0
     seed: int = 0
-    batch_size: int = 1
+    max_batch: int = 8
     out_dir: str | Path = "results"
     dtype: str = "auto"
     device: str = "auto"
     kv_storage: str = "dense"
+    compile: bool = False
     enable_thinking: bool | None = None
     save_token_ids: bool = False
     code_timeout_s: float = 6.0
@@ -107,7 +118,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         self.policy = self.policy.strip().lower()
         _at_least_one("max_new_tokens", "--max-new-tokens", self.max_new_tokens)
-        _at_least_one("batch_size", "--batch-size", self.batch_size)
+        _at_least_one("max_batch", "--max-batch", self.max_batch)
         _at_least_one("samples", "--samples", self.samples)
         if self.limit is not None and self.limit < 1:
             raise ValueError(
@@ -155,12 +166,12 @@ class EvalConfig:
     def make_policy(self) -> EvictionPolicy | None:
         """Build the run's policy with :func:`beaconkv.policies.make_policy`, validating it.
 
-        A policy holds settings only, so the one object serves every generate call of the run.
+        A policy holds settings only, so the one object serves every cache slot of the run.
         The runner calls this before it loads the problems or the model, so an unknown policy,
         parameter or budget fails at once.
 
         Returns:
-            The policy; ``None`` for FullKV without extra arguments (the generator's default).
+            The policy; ``None`` for FullKV without extra arguments (the engine's default).
 
         Raises:
             PolicyConfigError: Unknown policy or parameter, or settings the policy rejects.
@@ -172,6 +183,9 @@ class EvalConfig:
     def settings(self) -> dict[str, Any]:
         """The settings that must match for a resume (stored in every record).
 
+        ``max_batch`` and ``compile`` are not among them: a sample's tokens do not depend on how
+        many samples share the engine, nor on whether its decode step is compiled.
+
         Returns:
             A JSON-serialisable dict.
         """
@@ -182,7 +196,6 @@ class EvalConfig:
             "top_p": self.top_p,
             "top_k": self.top_k,
             "seed": self.seed,
-            "batch_size": self.batch_size,
             "policy_kwargs": json.loads(json.dumps(self.policy_kwargs, sort_keys=True)),
             "enable_thinking": self.enable_thinking,
             "kv_storage": self.kv_storage,

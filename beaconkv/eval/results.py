@@ -37,6 +37,7 @@ from beaconkv.eval.errors import DatasetFormatError, ResultsConflictError
 
 __all__ = [
     "LEGACY_SETTINGS",
+    "RETIRED_SETTINGS",
     "ResultKey",
     "glob_escape",
     "is_rank_file",
@@ -61,6 +62,14 @@ LEGACY_SETTINGS: Mapping[str, Any] = {"kv_storage": "dense"}
 
 A record whose ``settings`` lack one of these keys is read as if it held this value, so results
 written before the setting existed resume under the same settings instead of being refused."""
+
+RETIRED_SETTINGS: Mapping[str, Any] = {"batch_size": 1}
+"""Settings that runs no longer have, with the value under which older records equal today's.
+
+``batch_size`` was the number of samples of one problem generated together, seeded ``seed + row``
+from the first sample's seed; with 1 every sample had its own seed, as every sample has now (the
+engine's ``max_batch`` does not change a sample). A record holding the value here is read as if it
+lacked the key, so it resumes under today's settings; any other value is refused as other settings."""
 
 _RANK_RE = re.compile(r"\.rank(\d+)\.jsonl$")
 _TAIL_BLOCK = 1 << 16
@@ -312,7 +321,11 @@ def _may_repair(path: Path, rank: int, world_size: int) -> bool:
 
 
 def _settings_of(record: Mapping[str, Any]) -> dict[str, Any]:
-    return {**LEGACY_SETTINGS, **(record.get("settings") or {})}
+    settings = {**LEGACY_SETTINGS, **(record.get("settings") or {})}
+    for key, same in RETIRED_SETTINGS.items():
+        if key in settings and settings[key] == same:
+            del settings[key]
+    return settings
 
 
 def load_done(
@@ -334,7 +347,8 @@ def load_done(
         out_dir: The results folder.
         stem: See :func:`results_stem`.
         settings: This run's settings; if given, every existing record must carry equal
-            ``settings`` (keys missing from old records read as in :data:`LEGACY_SETTINGS`).
+            ``settings`` (keys missing from old records read as in :data:`LEGACY_SETTINGS`; retired
+            keys holding the value of :data:`RETIRED_SETTINGS` are ignored).
         rank: This process's rank.
         world_size: Number of ranks of this run.
 

@@ -1,24 +1,37 @@
-"""The evaluation loop: problems x samples -> generations -> grades -> results JSONL, resumable and sharded.
+"""The evaluation loop: problems x samples -> one engine -> grades -> results JSONL, resumable and sharded.
 
-Work is cut into *units*: the samples of one problem in chunks of ``batch_size`` (sample indices
-``[0, b)``, ``[b, 2b)``, ...). Unit ``u`` (in dataset order) belongs to rank ``u % world_size``.
-A unit is one ``generate`` call on ``batch_size`` copies of the prompt, seeded with
-``derive_seed("sample", seed, problem_id, first_sample_idx)``. Neither the unit boundaries nor the
-seeds depend on the number of ranks, so a run split over N processes produces the same samples as
-one process. With ``batch_size=1`` (the default) every sample has its own seed.
+Every sample is planned on its own (:func:`plan_samples`): sample ``i`` of problem ``j`` is global
+sample ``j * samples + i`` and belongs to rank ``(j * samples + i) % world_size``, and its seed is
+``derive_seed("sample", seed, problem_id, i)``. Neither depends on the number of ranks, so a run
+split over N processes produces the same samples as one process.
+
+A rank submits all its pending samples (those not already in the results, after a resume) as
+requests to ONE continuous-batching engine (:class:`~beaconkv.eval.backend.EvalEngine`, a
+:class:`~beaconkv.engine.Engine` with ``max_batch`` cache slots, room for the longest pending
+prompt, and the run's ``max_new_tokens``). A sample leaves its slot as soon as it ends and the next
+pending sample takes it, so a long chain of thought holds back no other sample. Each request
+carries its sample's seed (its own noise generator): its tokens do not depend on which samples share
+the pool, so results do not depend on ``max_batch`` either. Every completion is graded and its
+record appended (flushed and synced) to the rank's part file the moment it finishes: a killed run
+keeps every finished sample, and the next run generates only the others (a record torn by the kill
+is set aside, see :mod:`~beaconkv.eval.results`).
 
 Each record (one JSON line) holds:
 
 ``benchmark, problem_id, sample_idx, policy, budget`` (the resume key), ``model, seed, answer,
 reference, correct, grade_detail, finish_reason, prompt_tokens, new_tokens, peak_cache_tokens,
-evictions, cache_capacity, seconds, batch_size, text`` and, with ``save_token_ids``, ``token_ids``;
-plus ``settings`` (what must match for a resume). ``peak_cache_tokens``, ``evictions`` and
-``seconds`` are those of the generate call, shared by the samples of a batch.
+evictions, cache_capacity, seconds, text`` and, with ``save_token_ids``, ``token_ids``; plus
+``settings`` (what must match for a resume). ``evictions`` are the request's own;
+``peak_cache_tokens`` and ``cache_capacity`` come from
+:meth:`~beaconkv.eval.backend.EvalEngine.cache_figures` (the policy's figures for this prompt and
+these new tokens); ``seconds`` is the time the sample spent in its slot, from admission to its last
+token (the completion's ``wall_s`` less its ``queued_s``: time waiting for a free slot is not the
+sample's). Only ``seconds`` depends on the run's timing.
 
 The policy is built and checked (:meth:`~beaconkv.eval.config.EvalConfig.make_policy`) before
-anything is loaded; one policy object serves every generate call. The model is loaded only if some
-sample is still missing, so re-running a finished command just rebuilds the summary, and the
-results folder is made only once the model is loaded. The generate function is injectable
+anything is loaded; one policy object serves every slot. The model is loaded only if some sample is
+still missing, so re-running a finished command just rebuilds the summary, and the results folder
+is made only once the model is loaded. The backend is injectable
 (:class:`~beaconkv.eval.backend.GenerationBackend`) so the loop can be tested without a model.
 """
 
@@ -30,16 +43,18 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO, cast
 
 import torch
 from tqdm.auto import tqdm
 
+from beaconkv.engine import Request
 from beaconkv.eval.backend import (
     GenerationBackend,
     load_backend,
     resolve_device,
     resolve_eval_dtype,
+    run_requests,
 )
 from beaconkv.eval.benchmarks import Problem, get_benchmark
 from beaconkv.eval.config import EvalConfig
@@ -58,37 +73,41 @@ from beaconkv.eval.results import (
     merge_results,
     policy_label,
     rank_file,
-    record_key,
     results_stem,
 )
 from beaconkv.eval.sandbox import SandboxLimits
 from beaconkv.eval.seeds import derive_seed
 from beaconkv.eval.summary import SummaryRow, write_summary
 from beaconkv.policies import EvictionPolicy
+from beaconkv.sampling import SamplingParams
 
-__all__ = ["EvalReport", "WorkUnit", "plan_units", "run_eval"]
+__all__ = ["EvalReport", "PlannedSample", "plan_samples", "run_eval"]
 
 
 @dataclass(frozen=True)
-class WorkUnit:
-    """One generate call: samples ``[start, stop)`` of one problem.
+class PlannedSample:
+    """One sample to generate: a problem and a sample index.
 
     Attributes:
-        index: Position in the global unit list (decides the rank).
+        index: Position in the global sample list (decides the rank).
         problem: The problem.
-        start: First sample index.
-        stop: One past the last sample index.
+        sample_idx: The sample's index among the samples of its problem.
     """
 
     index: int
     problem: Problem
-    start: int
-    stop: int
+    sample_idx: int
 
-    @property
-    def sample_indices(self) -> range:
-        """The sample indices of this unit."""
-        return range(self.start, self.stop)
+    def seed(self, base_seed: int) -> int:
+        """The sample's seed: ``derive_seed("sample", base_seed, problem id, sample index)``.
+
+        Args:
+            base_seed: The run's ``--seed``.
+
+        Returns:
+            The seed of this sample's noise generator.
+        """
+        return derive_seed("sample", base_seed, self.problem.id, self.sample_idx)
 
 
 @dataclass
@@ -114,29 +133,29 @@ class EvalReport:
     world_size: int = 1
 
 
-def plan_units(problems: Sequence[Problem], samples: int, batch_size: int) -> list[WorkUnit]:
-    """Cut problems x samples into generate calls, independent of the number of ranks.
+def plan_samples(problems: Sequence[Problem], samples: int) -> list[PlannedSample]:
+    """Every (problem, sample index) of a run, independent of the number of ranks.
 
     Args:
         problems: The problems, in dataset order.
         samples: Samples per problem.
-        batch_size: Samples per generate call.
 
     Returns:
-        The units in order; rank ``r`` of ``n`` takes ``units[r::n]``.
+        The samples, problem by problem; rank ``r`` of ``n`` takes ``planned[r::n]``.
     """
-    units = []
-    for problem in problems:
-        for start in range(0, samples, batch_size):
-            units.append(WorkUnit(len(units), problem, start, min(start + batch_size, samples)))
-    return units
+    return [
+        PlannedSample(j * samples + i, problem, i)
+        for j, problem in enumerate(problems)
+        for i in range(samples)
+    ]
 
 
-def _stat(stats: Any, name: str, i: int, default: Any = 0) -> Any:
-    value = getattr(stats, name, default) if stats is not None else default
-    if isinstance(value, (list, tuple)):
-        return value[i]
-    return value
+@dataclass(frozen=True)
+class _Prompt:
+    """A problem's prompt as token ids (rendered with the chat template) and its reference answer."""
+
+    ids: list[int]
+    reference: str | None
 
 
 def run_eval(
@@ -167,6 +186,8 @@ def run_eval(
         ResultsConflictError: If ``out_dir`` holds results of this benchmark/policy/budget made
             with other settings.
         FileNotFoundError: The data file or the model checkpoint does not exist.
+        ValueError: The longest pending prompt leaves the model no position for a new token
+            (the core backend; it lowers ``max_new_tokens`` to what fits, with a warning, otherwise).
     """
     spec = get_benchmark(config.benchmark)
     policy = config.make_policy()
@@ -210,18 +231,12 @@ def _run(
         )
     label = policy_label(config.policy, config.tag)
     budget = config.effective_budget
-    settings = config.settings()
     out_dir = Path(config.out_dir)
     stem = results_stem(benchmark, label, budget)
-    done = load_done(out_dir, stem, settings, rank=ctx.rank, world_size=ctx.world_size)
+    done = load_done(out_dir, stem, config.settings(), rank=ctx.rank, world_size=ctx.world_size)
 
-    def key(problem: Problem, idx: int) -> tuple:
-        return (benchmark, problem.id, idx, label, budget)
-
-    mine = plan_units(problems, samples, config.batch_size)[ctx.rank :: ctx.world_size]
-    pending = [u for u in mine if any(key(u.problem, i) not in done for i in u.sample_indices)]
-    total_mine = sum(len(u.sample_indices) for u in mine)
-    todo = sum(1 for u in pending for i in u.sample_indices if key(u.problem, i) not in done)
+    mine = plan_samples(problems, samples)[ctx.rank :: ctx.world_size]
+    pending = [s for s in mine if (benchmark, s.problem.id, s.sample_idx, label, budget) not in done]
     generated = 0
     if pending:
         if backend is None:
@@ -229,84 +244,7 @@ def _run(
                 config.model, device=device, dtype=resolve_eval_dtype(config.dtype, device)
             )
         out_dir.mkdir(parents=True, exist_ok=True)
-        limits = SandboxLimits(timeout_s=config.code_timeout_s, memory_mb=config.code_memory_mb)
-        part = rank_file(out_dir, stem, ctx.rank)
-        desc = f"{benchmark} {label}" + ("" if budget is None else f"@{budget}")
-        if ctx.world_size > 1:
-            desc += f" [rank {ctx.rank}/{ctx.world_size}]"
-        correct = 0
-        with (
-            part.open("a", encoding="utf-8") as sink,
-            tqdm(
-                total=todo,
-                desc=desc,
-                unit="sample",
-                disable=not config.progress,
-                position=ctx.rank if ctx.world_size > 1 else None,
-                file=sys.stderr,
-            ) as bar,
-        ):
-            prompt_cache: dict[str, tuple[str, str | None]] = {}
-            for unit in pending:
-                problem = unit.problem
-                if problem.id not in prompt_cache:
-                    built = build_prompt(problem, seed=config.seed)
-                    text = render_chat(
-                        backend.tokenizer, built.messages, enable_thinking=config.enable_thinking
-                    )
-                    prompt_cache = {problem.id: (text, built.reference)}
-                prompt, reference = prompt_cache[problem.id]
-                seed = derive_seed("sample", config.seed, problem.id, unit.start)
-                n = len(unit.sample_indices)
-                out = backend.generate(
-                    [prompt] * n,
-                    max_new_tokens=config.max_new_tokens,
-                    temperature=config.temperature,
-                    top_p=config.top_p,
-                    top_k=config.top_k,
-                    seed=seed,
-                    policy=policy,
-                    kv_storage=config.kv_storage,
-                )
-                stats = getattr(out, "stats", None)
-                for i, sample_idx in enumerate(unit.sample_indices):
-                    if key(problem, sample_idx) in done:
-                        continue
-                    text_i = out.texts[i]
-                    grade = grade_response(problem, reference, text_i, sandbox_limits=limits)
-                    record: dict[str, Any] = {
-                        "benchmark": benchmark,
-                        "problem_id": problem.id,
-                        "sample_idx": sample_idx,
-                        "policy": label,
-                        "budget": budget,
-                        "model": config.model,
-                        "seed": seed,
-                        "answer": grade.answer,
-                        "reference": reference,
-                        "correct": grade.correct,
-                        "grade_detail": grade.detail,
-                        "finish_reason": out.finish_reasons[i],
-                        "prompt_tokens": _stat(stats, "prompt_tokens", i),
-                        "new_tokens": _stat(stats, "new_tokens", i, len(out.token_ids[i])),
-                        "peak_cache_tokens": _stat(stats, "peak_cache_tokens", i),
-                        "evictions": _stat(stats, "evictions", i),
-                        "cache_capacity": _stat(stats, "cache_capacity", i),
-                        "seconds": _stat(stats, "wall_time_s", i, 0.0),
-                        "batch_size": n,
-                        "text": text_i,
-                    }
-                    if config.save_token_ids:
-                        record["token_ids"] = [int(t) for t in out.token_ids[i]]
-                    record["settings"] = settings
-                    sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    done[record_key(record)] = record
-                    generated += 1
-                    correct += grade.correct
-                    bar.update(1)
-                    bar.set_postfix(acc=f"{correct / generated:.3f}")
-                sink.flush()
-                os.fsync(sink.fileno())
+        generated = _generate(config, benchmark, label, budget, policy, ctx, backend, pending, out_dir, stem)
     barrier(ctx)
     rows: list[SummaryRow] = []
     table = ""
@@ -318,9 +256,115 @@ def _run(
     return EvalReport(
         results_file=merged,
         generated=generated,
-        skipped=total_mine - todo,
+        skipped=len(mine) - len(pending),
         rows=rows,
         table=table,
         rank=ctx.rank,
         world_size=ctx.world_size,
     )
+
+
+def _generate(
+    config: EvalConfig,
+    benchmark: str,
+    label: str,
+    budget: int | None,
+    policy: EvictionPolicy | None,
+    ctx: DistContext,
+    backend: GenerationBackend,
+    pending: list[PlannedSample],
+    out_dir: Path,
+    stem: str,
+) -> int:
+    """Run the pending samples through one engine, appending each record as its sample finishes.
+
+    Returns:
+        The number of samples generated.
+    """
+    prompts: dict[str, _Prompt] = {}
+    for sample in pending:
+        problem = sample.problem
+        if problem.id not in prompts:
+            built = build_prompt(problem, seed=config.seed)
+            text = render_chat(backend.tokenizer, built.messages, enable_thinking=config.enable_thinking)
+            ids = [int(t) for t in backend.tokenizer.encode_prompt(text)]
+            prompts[problem.id] = _Prompt(ids, built.reference)
+    engine = backend.make_engine(
+        policy=policy,
+        max_batch=config.max_batch,
+        prompt_capacity=max(len(p.ids) for p in prompts.values()),
+        max_new_tokens=config.max_new_tokens,
+        kv_storage=config.kv_storage,
+        compile=config.compile,
+    )
+    sampling = SamplingParams(config.temperature, config.top_p, config.top_k)
+    requests = [
+        Request(
+            prompts[s.problem.id].ids,
+            max_new_tokens=engine.max_new_tokens,
+            sampling=sampling,
+            seed=s.seed(config.seed),
+            tag=s,
+        )
+        for s in pending
+    ]
+    settings = config.settings()
+    limits = SandboxLimits(timeout_s=config.code_timeout_s, memory_mb=config.code_memory_mb)
+    part = rank_file(out_dir, stem, ctx.rank)
+    desc = f"{benchmark} {label}" + ("" if budget is None else f"@{budget}")
+    if ctx.world_size > 1:
+        desc += f" [rank {ctx.rank}/{ctx.world_size}]"
+    generated = correct = 0
+    with (
+        part.open("a", encoding="utf-8") as sink,
+        tqdm(
+            total=len(pending),
+            desc=desc,
+            unit="sample",
+            disable=not config.progress,
+            position=ctx.rank if ctx.world_size > 1 else None,
+            file=sys.stderr,
+        ) as bar,
+    ):
+        for completion in run_requests(engine, requests):
+            sample = cast(PlannedSample, completion.tag)
+            prompt = prompts[sample.problem.id]
+            grade = grade_response(sample.problem, prompt.reference, completion.text, sandbox_limits=limits)
+            figures = engine.cache_figures(completion)
+            record: dict[str, Any] = {
+                "benchmark": benchmark,
+                "problem_id": sample.problem.id,
+                "sample_idx": sample.sample_idx,
+                "policy": label,
+                "budget": budget,
+                "model": config.model,
+                "seed": sample.seed(config.seed),
+                "answer": grade.answer,
+                "reference": prompt.reference,
+                "correct": grade.correct,
+                "grade_detail": grade.detail,
+                "finish_reason": completion.finish_reason,
+                "prompt_tokens": completion.prompt_tokens,
+                "new_tokens": len(completion.token_ids),
+                "peak_cache_tokens": figures.peak_tokens,
+                "evictions": completion.evictions,
+                "cache_capacity": figures.capacity,
+                "seconds": completion.wall_s - completion.queued_s,
+                "text": completion.text,
+            }
+            if config.save_token_ids:
+                record["token_ids"] = [int(t) for t in completion.token_ids]
+            record["settings"] = settings
+            _append(sink, record)
+            generated += 1
+            correct += grade.correct
+            bar.update(1)
+            bar.set_postfix(acc=f"{correct / generated:.3f}")
+    return generated
+
+
+def _append(sink: TextIO, record: dict[str, Any]) -> None:
+    """Append one record as a line and push it to the disk (a kill keeps every finished sample)."""
+    sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+    sink.flush()
+    os.fsync(sink.fileno())

@@ -34,7 +34,7 @@ class SummaryRow:
         mean_peak_cache_tokens: Mean peak cache occupancy (tokens per sequence).
         mean_evictions: Mean eviction rounds per sample.
         truncated: Fraction of samples that hit ``max_new_tokens`` (finish reason ``length``).
-        mean_seconds: Mean wall seconds of the generate call that produced a sample.
+        mean_seconds: Mean seconds a sample spent generating (in its cache slot: admission to last token).
     """
 
     benchmark: str

@@ -2,7 +2,10 @@
 
 One single-process run (in this process, one thread) is the reference; it is resumed after losing
 records, and the same command split over 2 processes (gloo, torchrun-style environment) must merge
-to the same records — token ids included — because every sample has its own seed.
+to the same records — token ids included — because every sample has its own seed. For the same
+reason the engine's pool size does not change a record: ``--max-batch 1`` and ``--max-batch 4``
+write the same records, 24 new tokens each. The cache figures of a record are checked against the
+engine's own peak.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import pytest
 import torch
 
 from beaconkv.cli import main
+from beaconkv.engine import Request
 from beaconkv.eval.backend import load_backend
 from beaconkv.eval.config import EvalConfig
 from beaconkv.eval.runner import run_eval
+from beaconkv.policies import make_policy
 
 REPO = Path(__file__).resolve().parents[2]
 # n_prefix=4 makes the prompt evictable, so even 8 new tokens exercise an eviction.
@@ -159,3 +164,61 @@ def test_cli_with_int8_kv_storage_and_the_project_data(tmp_path, capsys) -> None
     assert (record["problem_id"], record["reference"]) == ("60", "204")  # the project's data/aime24.jsonl
     assert record["settings"]["kv_storage"] == "int8"
     assert 1 <= record["new_tokens"] <= 8 and record["evictions"] >= 1
+
+
+@pytest.mark.slow
+def test_max_batch_does_not_change_the_records(tmp_path, capsys) -> None:
+    argv = [
+        "eval", "--model", "embedded", "--benchmark", "aime24", "--limit", "2", "--samples", "2",
+        "--max-new-tokens", "24", "--policy", POLICY, "--budget", str(BUDGET), "--device", "cpu",
+        "--save-token-ids", "--no-progress",
+    ]  # fmt: skip
+    argv += [f"--policy-arg={k}={v}" for k, v in POLICY_KWARGS.items()]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for max_batch in (1, 4):
+            assert main([*argv, "--max-batch", str(max_batch), "--out", str(tmp_path / str(max_batch))]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    capsys.readouterr()
+    one, four = (read(tmp_path / str(b) / "aime24__beacon__b128.jsonl") for b in (1, 4))
+    assert [(r["problem_id"], r["sample_idx"]) for r in one] == [("60", 0), ("60", 1), ("61", 0), ("61", 1)]
+    assert any(r["new_tokens"] == 24 for r in one) and all(r["evictions"] >= 1 for r in one)
+    assert comparable(one) == comparable(four)  # every field but the timing, token ids included
+
+
+@pytest.mark.slow
+def test_cache_figures_match_the_engines_own_peak(single_run) -> None:
+    _, backend, _ = single_run
+    prompt = backend.tokenizer.encode_prompt("Count to twenty: one, two, three,")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for policy in (None, make_policy("beacon", budget=16, n_prefix=4, n_recent=2)):
+            engine = backend.make_engine(policy=policy, max_batch=1, prompt_capacity=len(prompt), max_new_tokens=20,
+                                         kv_storage="dense", compile=False)  # fmt: skip
+            assert engine.slot_capacity == engine.cache_figures(engine.run([Request(prompt, 1)])[0]).capacity
+            for new in (1, 5, 20):  # growing peaks: the engine's peak over all its requests is the latest one's
+                (done,) = engine.run([Request(prompt, max_new_tokens=new, eos_token_ids=[])])
+                assert engine.cache_figures(done).peak_tokens == engine.session.state.peak_tokens
+            assert (done.evictions > 0) == (policy is not None)  # the figures hold across evictions too
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_new_tokens_are_capped_to_the_models_positions(single_run) -> None:
+    _, backend, _ = single_run
+    policy = make_policy("beacon", budget=16, n_prefix=4, n_recent=2)
+    engine = backend.make_engine(policy=policy, max_batch=1, prompt_capacity=100, max_new_tokens=16, kv_storage="dense",
+                                 compile=False)  # fmt: skip
+    positions = engine.model.config.max_position_embeddings
+    assert engine.max_new_tokens == 16  # room enough: as asked
+    with pytest.warns(UserWarning, match=rf"max_new_tokens={10**7} capped to {positions - 100}"):
+        engine = backend.make_engine(policy=policy, max_batch=1, prompt_capacity=100, max_new_tokens=10**7,
+                                     kv_storage="dense", compile=False)  # fmt: skip
+    assert engine.max_new_tokens == positions - 100
+    with pytest.raises(ValueError, match=f"the longest prompt has {positions} tokens.*no room for a new token"):
+        backend.make_engine(policy=policy, max_batch=1, prompt_capacity=positions, max_new_tokens=8, kv_storage="dense",
+                            compile=False)  # fmt: skip

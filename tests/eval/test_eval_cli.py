@@ -18,7 +18,7 @@ from beaconkv.eval.__main__ import main as module_main
 from beaconkv.eval.backend import GenerationBackend
 from beaconkv.eval.cli import add_eval_arguments, config_from_args
 
-from .fakes import PROBLEMS, FakeGenerate, Tok, read, write_problems
+from .fakes import PROBLEMS, FakeEngines, Tok, read, write_problems
 
 REPO = Path(__file__).resolve().parents[2]
 EVAL_DIR = Path(beaconkv.eval.__file__).resolve().parent
@@ -35,9 +35,9 @@ def no_model(monkeypatch):
 
 
 @pytest.fixture
-def fake_model(monkeypatch) -> FakeGenerate:
+def fake_model(monkeypatch) -> FakeEngines:
     """Every model 'loads' as a fake backend; returns its generate function."""
-    gen = FakeGenerate()
+    gen = FakeEngines()
     monkeypatch.setattr(runner, "load_backend", lambda *a, **k: GenerationBackend(Tok(), gen))
     return gen
 
@@ -71,6 +71,13 @@ def assert_one_line_error(code: int, err: str, out: Path, *fragments: str) -> st
 def test_limit_below_one(tmp_path, capsys, no_model, limit) -> None:
     code = main(eval_args(tmp_path / "out", "--limit", limit))
     assert_one_line_error(code, capsys.readouterr().err, tmp_path / "out", f"limit={limit}", "--limit N", ">= 1")
+
+
+@pytest.mark.parametrize("max_batch", ["0", "-3"])
+def test_max_batch_below_one_fails_before_the_model_loads(tmp_path, capsys, no_model, max_batch) -> None:
+    code = main(eval_args(tmp_path / "out", "--max-batch", max_batch))
+    err = capsys.readouterr().err
+    assert_one_line_error(code, err, tmp_path / "out", f"max_batch={max_batch}", "--max-batch N", ">= 1")
 
 
 @pytest.mark.parametrize("dtype", ["float8", "int8", "float64", "bogus"])
@@ -195,6 +202,38 @@ def test_kv_storage_defaults_to_dense(tmp_path) -> None:
     assert config.kv_storage == "dense" and config.settings()["kv_storage"] == "dense"
     args = parser.parse_args(["--model", "m", "--benchmark", "aime24", "--kv-storage", "int8"])
     assert config_from_args(args).kv_storage == "int8"
+
+
+def test_max_batch_and_compile_reach_the_engine_and_are_no_resume_setting(tmp_path, capsys, fake_model) -> None:
+    data = write_problems(tmp_path / "p.jsonl", PROBLEMS[:2])
+    assert main(eval_args(tmp_path / "out", "--samples", "2", data=data)) == 0
+    assert [(e["max_batch"], e["compile"]) for e in fake_model.engines] == [(8, False)]  # the defaults
+    assert main(eval_args(tmp_path / "out", "--samples", "3", "--max-batch", "3", "--compile", data=data)) == 0
+    assert [(e["max_batch"], e["compile"]) for e in fake_model.engines[1:]] == [(3, True)]
+    assert len(fake_model.calls) == 6  # the second run resumed the first: it made only samples 2
+    records = read(tmp_path / "out" / "aime24__full.jsonl")
+    assert len(records) == 6 and all("max_batch" not in r["settings"] and "compile" not in r["settings"] for r in records)
+    capsys.readouterr()
+
+
+def test_results_of_the_retired_batch_size_setting(tmp_path, capsys, fake_model) -> None:
+    data = write_problems(tmp_path / "p.jsonl", PROBLEMS[:2])
+    assert main(eval_args(tmp_path / "out", data=data)) == 0
+    merged = tmp_path / "out" / "aime24__full.jsonl"
+    old = read(merged)
+    for r in old:  # as a version with --batch-size wrote them: batch_size 1 gave every sample its own seed
+        r["settings"]["batch_size"] = 1
+    merged.write_text("".join(json.dumps(r) + "\n" for r in old))
+    fake_model.calls.clear()
+    assert main(eval_args(tmp_path / "out", "--samples", "2", data=data)) == 0
+    assert len(fake_model.calls) == 2 and len(read(merged)) == 4  # resumed: only the new samples
+    capsys.readouterr()
+    for r in old:  # batch_size 2 seeded samples from their batch: other samples, refused
+        r["settings"]["batch_size"] = 2
+    merged.write_text("".join(json.dumps(r) + "\n" for r in old))
+    code = main(eval_args(tmp_path / "out", "--samples", "2", data=data))
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and "batch_size" in err and "--tag" in err
 
 
 def test_results_written_before_kv_storage_existed_resume_as_dense(tmp_path, capsys, fake_model) -> None:

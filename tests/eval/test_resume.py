@@ -27,13 +27,13 @@ from beaconkv.eval.results import (
 )
 from beaconkv.eval.runner import run_eval
 
-from .fakes import PROBLEMS, FakeGenerate, Tok, read, strip_timing, write_problems
+from .fakes import PROBLEMS, FakeEngines, Tok, read, strip_timing, write_problems
 
 STEM = "aime24__full"
 TOTAL = 8  # 2 problems x 4 samples
 
 
-def use_model(monkeypatch, gen: FakeGenerate) -> FakeGenerate:
+def use_model(monkeypatch, gen: FakeEngines) -> FakeEngines:
     monkeypatch.setattr(runner, "load_backend", lambda *a, **k: GenerationBackend(Tok(), gen))
     return gen
 
@@ -53,7 +53,7 @@ def data(tmp_path) -> Path:
 @pytest.fixture
 def reference(tmp_path, data, monkeypatch, capsys) -> list[dict]:
     """The merged records of an uninterrupted run."""
-    use_model(monkeypatch, FakeGenerate())
+    use_model(monkeypatch, FakeEngines())
     assert main(cli(tmp_path / "reference", data)) == 0
     capsys.readouterr()
     records = read(tmp_path / "reference" / f"{STEM}.jsonl")
@@ -71,7 +71,7 @@ def test_rerun_after_a_torn_part_loses_and_duplicates_nothing(
     tmp_path, data, reference, monkeypatch, capsys, good
 ) -> None:
     out = tmp_path / "out"
-    use_model(monkeypatch, FakeGenerate(fail_after=good))
+    use_model(monkeypatch, FakeEngines(fail_after=good))
     assert main(cli(out, data)) == 130  # killed after `good` samples
     part = rank_file(out, STEM, 0)
     assert len(read(part)) == good
@@ -85,7 +85,7 @@ def test_rerun_after_a_torn_part_loses_and_duplicates_nothing(
         f.write(torn)
     capsys.readouterr()
 
-    gen = use_model(monkeypatch, FakeGenerate())
+    gen = use_model(monkeypatch, FakeEngines())
     with pytest.warns(UserWarning, match="torn last line"):
         code = main(cli(out, data))
     stdout, stderr = capsys.readouterr()
@@ -103,7 +103,7 @@ def test_rerun_after_a_torn_part_loses_and_duplicates_nothing(
     assert (row["problems"], row["samples"]) == (2, TOTAL)
     assert f"| aime24 | full | - | 2 | {TOTAL} |" in stdout
 
-    again = use_model(monkeypatch, FakeGenerate())
+    again = use_model(monkeypatch, FakeEngines())
     assert main(cli(out, data)) == 0 and again.calls == []
     assert strip_timing(read(out / f"{STEM}.jsonl")) == strip_timing(reference)
 
@@ -114,7 +114,7 @@ def test_a_torn_merged_file_is_repaired_too(tmp_path, data, reference, monkeypat
     merged = out / f"{STEM}.jsonl"
     torn = line_of(reference[5])[:-20]
     merged.write_bytes(b"".join(line_of(r) for r in reference[:5]) + torn)
-    gen = use_model(monkeypatch, FakeGenerate())
+    gen = use_model(monkeypatch, FakeEngines())
     with pytest.warns(UserWarning, match="torn last line"):
         assert main(cli(out, data)) == 0
     assert len(gen.calls) == 3
@@ -129,7 +129,7 @@ def test_a_newline_terminated_garbage_line_is_set_aside(tmp_path, reference) -> 
     part = rank_file(out, STEM, 0)
     garbage = b"\x00\x00\x00\x00\n"  # a file system that zero-filled the last block
     part.write_bytes(b"".join(line_of(r) for r in reference[:2]) + garbage)
-    gen = FakeGenerate()
+    gen = FakeEngines()
     config = EvalConfig(model="fake", benchmark="aime24", policy="full", samples=4, max_new_tokens=4,
                         out_dir=out, progress=False, save_token_ids=True)  # fmt: skip
     with pytest.warns(UserWarning, match="torn last line"):
