@@ -36,7 +36,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from einops import rearrange
 from torch import Tensor, nn
 
 from .storage import KVStorage, make_storage
@@ -188,13 +187,15 @@ class LayerKVCache(nn.Module):
         Returns:
             ``(batch, heads, 1, head_dim)``.
         """
-        # the GQA group plays the role of the query length: no repeat of K/V needed
-        qg = rearrange(q, "b (kv g) 1 d -> b kv g d", kv=self.n_kv_heads)
+        # the GQA group plays the role of the query length: no repeat of K/V needed. A view, not einops:
+        # this runs once per layer and step, and eager decoding feels every microsecond of overhead.
+        B = q.shape[0]
+        qg = q.view(B, self.n_kv_heads, self.group, self.head_dim)  # b (kv g) 1 d -> b kv g d
         mask = (self.pos >= 0).unsqueeze(2)  # (batch, kv_heads, 1, capacity)
         out, weights = self.storage.attend(qg, mask, scale, need_weights=self.track_attention)
         if weights is not None and self.attention_hook is not None:
             self.attention_hook(weights)
-        return rearrange(out, "b kv g d -> b (kv g) 1 d")
+        return out.view(B, self.n_heads, 1, self.head_dim)  # b kv g d -> b (kv g) 1 d
 
     def register_slot_buffer(self, name: str, dtype: torch.dtype = torch.float32) -> Tensor:
         """Allocates a zeroed per-slot buffer ``(batch, kv_heads, capacity)`` that moves with the keys.

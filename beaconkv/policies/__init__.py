@@ -12,6 +12,7 @@ from .config import PolicyConfigError
 from .event_beacon import EventBeaconKV
 from .group_beacon import GroupBeaconKV
 from .h2o import H2O
+from .memory_beacon import MemoryBeaconKV
 from .query_set import QuerySet
 from .registry import (
     make_policy,
@@ -32,7 +33,7 @@ from .window import RecentWindowPolicy
 __all__ = [
     "BeaconKV", "BeaconState", "ContinualFPS", "EventBeaconKV", "EvictionPolicy", "EvictionRecord", "FPS", "FullKV",
     "GroupBeaconKV", "H2O",
-    "InitialRecent", "KMeans", "NaiveFPS", "PolicyConfigError", "PolicyState", "PolicyStats", "QuerySampler",
+    "InitialRecent", "KMeans", "MemoryBeaconKV", "NaiveFPS", "PolicyConfigError", "PolicyState", "PolicyStats", "QuerySampler",
     "QuerySet", "RKV", "RPC", "RecentWindowPolicy", "SnapKV", "StreamingLLM", "make_policy", "policy_class",
     "policy_names", "policy_parameters", "register_policy", "select_keep",
 ]

@@ -42,6 +42,7 @@ from .scoring import attention_probs, reduce_group, reduce_queries
 from .state import PolicyState
 
 AGGREGATIONS = ("max", "mean", "logsumexp")
+NORMALIZATIONS = ("cache", "evictable")
 
 
 @dataclass(eq=False)
@@ -103,6 +104,9 @@ class BeaconKV(EvictionPolicy):
         temperature: Temperature of ``logsumexp``.
         sampler: Chooses beacons; :class:`~beaconkv.policies.samplers.ContinualFPS` (bounded buffer)
             by default. Unbounded samplers (``NaiveFPS``, ``KMeans``) see the whole query history.
+        normalize: What each scoring query's softmax runs over: ``"cache"`` (every cached key, the
+            paper's) or ``"evictable"`` (beyond the paper: the keys that may be evicted, as RPC does —
+            the protected prefix, kept whatever happens, no longer absorbs the attention mass).
         n_recent: Keyword-only. Recent queries scored at their own positions; also the recent tokens
             always kept. The query buffer bound is ``B_max^Q = n_beacon + n_recent``.
 
@@ -124,6 +128,7 @@ class BeaconKV(EvictionPolicy):
     aggregation: str = "max"
     temperature: float = 0.1
     sampler: QuerySampler | None = None
+    normalize: str = "cache"
 
     name: ClassVar[str] = "beacon"
     state_class: ClassVar[type[PolicyState]] = BeaconState
@@ -134,6 +139,7 @@ class BeaconKV(EvictionPolicy):
         super().validate()
         check_int("n_beacon", self.n_beacon, 0, hint="(default 16)")
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        check_choice("normalize", self.normalize, NORMALIZATIONS)
         check_number("temperature", self.temperature, 0, open_low=True, hint="(default 0.1)")
         if self.n_beacon + self.n_recent < 1:
             raise PolicyConfigError("n_beacon + n_recent must be >= 1: nothing would observe the cache.")
@@ -343,7 +349,10 @@ class BeaconKV(EvictionPolicy):
         aggregated over queries and the GQA group."""
         q_rot, q_mask, q_pos, _ = self.observation_queries(state, layer_state, cache, rows, t)
         pos = cache.positions(rows)
-        w = attention_probs(q_rot, q_mask, cache.keys(rows), pos >= 0, cache.head_dim**-0.5, q_pos, pos)
+        keys = pos >= 0
+        if self.normalize == "evictable":  # the softmax over what may go: the protected prefix is kept anyway
+            keys = keys & (pos >= state.prefix_dev[rows][:, None, None])
+        w = attention_probs(q_rot, q_mask, cache.keys(rows), keys, cache.head_dim**-0.5, q_pos, pos)
         per_head = reduce_queries(w, q_mask, self.aggregation, self.temperature)  # (b, kv_heads, group, C)
         return reduce_group(per_head, self.aggregation, self.temperature)
 

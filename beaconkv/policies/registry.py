@@ -9,6 +9,7 @@ constructing, so a typo fails at once with the list of valid names.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any
 
 from .base import EvictionPolicy, FullKV
@@ -16,6 +17,7 @@ from .beacon import BeaconKV, InitialRecent
 from .config import PolicyConfigError
 from .event_beacon import EventBeaconKV
 from .group_beacon import GroupBeaconKV
+from .memory_beacon import MemoryBeaconKV
 from .h2o import H2O
 from .rkv import RKV
 from .rpc import RPC
@@ -54,7 +56,9 @@ def _entry(name: str) -> tuple[type[EvictionPolicy], dict[str, Any]]:
         raise PolicyConfigError(f"policy={name!r} must be a registry name; choose one of {', '.join(policy_names())}.")
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in _ENTRIES:
-        raise PolicyConfigError(f"policy={name!r} is unknown; choose one of {', '.join(policy_names())}.")
+        close = difflib.get_close_matches(key, [*_ENTRIES, *_ALIASES], n=1)
+        hint = f" (did you mean {_ALIASES.get(close[0], close[0])!r}?)" if close else ""
+        raise PolicyConfigError(f"policy={name!r} is unknown{hint}; choose one of {', '.join(policy_names())}.")
     return _ENTRIES[key]
 
 
@@ -96,10 +100,12 @@ def _check_parameters(name: str, cls: type[EvictionPolicy], kwargs: dict[str, An
                                 f"its parameters are {', '.join(sorted(known))}.")
 
 
-for _cls in (FullKV, BeaconKV, InitialRecent, SnapKV, RPC, RKV, H2O, StreamingLLM, GroupBeaconKV, EventBeaconKV):
+for _cls in (FullKV, BeaconKV, InitialRecent, SnapKV, RPC, RKV, H2O, StreamingLLM, GroupBeaconKV, EventBeaconKV,
+             MemoryBeaconKV):
     register_policy(_cls.name, _cls)
 #: Variants beyond the paper that are a setting of BeaconKV (docs/benchmarks.md, "Beyond the paper").
 register_policy("beacon_lse", BeaconKV, aggregation="logsumexp", temperature=0.02)
+register_policy("beacon_evictable", BeaconKV, normalize="evictable")
 
 
 def make_policy(name: str, budget: int | None = None, **kwargs: Any) -> EvictionPolicy:

@@ -208,6 +208,13 @@ def test_inconsistent_settings_name_the_numbers():
         make_policy("lru", budget=128)
 
 
+def test_float_budget_is_rejected_with_the_int_to_use():
+    with pytest.raises(PolicyConfigError, match=r"budget=128\.0 must be an int, not float \(e\.g\. budget=128\)"):
+        BeaconKV(budget=128.0)
+    with pytest.raises(PolicyConfigError, match=r"policy='beacn' is unknown \(did you mean 'beacon'\?\)"):
+        make_policy("beacn", budget=128)
+
+
 def test_budget_larger_than_generation_never_evicts_and_equals_fullkv(tiny_models):
     model = beaconkv.load_model(tiny_models["qwen3"][0])
     prompts = [[5, 6, 7, 8, 9], list(range(10, 40))]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -23,9 +24,9 @@ from ...models.loading import load_model
 from ...policies.registry import policy_names
 from ...tokenizer import Tokenizer, load_tokenizer
 from .errors import FidelityError
-from .metrics import GlobalQueryRule
+from .metrics import GlobalQueryRule, LengthAwareRule
 from .report import POLICY_ORDER, markdown_table, plot_fidelity, write_csv
-from .study import measure_fidelity, study_runs
+from .study import ablation_runs, measure_fidelity, study_runs
 from .traces import (
     Trace,
     forced_tokens,
@@ -65,6 +66,12 @@ def add_trace_arguments(parser: argparse.ArgumentParser, num_traces: int, tokens
     q.add_argument("--top-k", type=int, default=150, help="attended keys averaged per query (paper 150)")
     q.add_argument("--global-threshold", type=float, default=200.0,
                    help="mean distance above which a query is global (paper 200; lower it for short traces)")
+    q.add_argument("--la-fraction", type=float, default=0.25,
+                   help="length-aware rule: mean top-K distance above this share of the context (default 0.25)")
+    q.add_argument("--la-recent", type=int, default=64,
+                   help="length-aware rule: the recent window excluded from 'far' (default 64 tokens)")
+    q.add_argument("--la-mass", type=float, default=0.5,
+                   help="length-aware rule: attention share on far generated tokens (default 0.5)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -105,6 +112,9 @@ def add_fidelity_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.description = "Teacher-forced fidelity of KV-cache policies against FullKV on reasoning traces."
     add_trace_arguments(parser, num_traces=3, tokens=768)
     p = parser.add_argument_group("policies")
+    p.add_argument("--study", choices=("grid", "ablations"), default="grid",
+                   help="grid (default): --policies x --budgets; ablations: the paper's ablations at the first budget "
+                        "((16,16), (1,31), (28,4), (0,32), mean aggregation, Naive FPS, K-Means)")
     p.add_argument("--policies", type=str_list, default=list(POLICY_ORDER),
                    help=f"comma-separated registry names (default: the paper's set, {','.join(POLICY_ORDER)}; "
                         f"all: {','.join(n for n in policy_names() if n != 'full')})")
@@ -121,6 +131,8 @@ def add_fidelity_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="output directory (default results/fidelity)")
     o.add_argument("--exact", action="store_true",
                    help="call model.decode_step per run instead of batching the dense layers (slower; same result)")
+    o.add_argument("--no-packed", action="store_true",
+                   help="run the dense layers with the model's own linears instead of oneDNN-prepacked ones (CPU)")
     add_kv_storage_argument(p)
     return parser
 
@@ -136,14 +148,19 @@ def run_fidelity(args: argparse.Namespace) -> int:
     """
     t0 = time.perf_counter()
     rule = GlobalQueryRule(args.top_k, args.global_threshold)
-    runs = study_runs(args.policies, args.budgets, args.n_recent, args.n_beacon, args.n_prefix)
+    sparse_rule = LengthAwareRule(args.top_k, args.la_fraction, args.la_recent, args.la_mass)
+    if args.study == "ablations":
+        runs = ablation_runs(args.budgets[0] if args.budgets else 256)
+    else:
+        runs = study_runs(args.policies, args.budgets, args.n_recent, args.n_beacon, args.n_prefix)
     model, _, traces = load_model_and_traces(args)
     forced_tokens(traces, args.tokens)
     print(f"forcing {len(traces)} trace(s) ({', '.join(t.name for t in traces)}), {args.tokens} tokens each, "
           f"prompts {[len(t.prompt_ids) for t in traces]} tokens; {len(runs)} runs + FullKV"
           + (f", {args.kv_storage} KV storage" if args.kv_storage != "dense" else ""), file=sys.stderr)
     rows = measure_fidelity(model, traces, runs, args.tokens, rule, stack=not args.exact,
-                            progress=not args.no_progress, kv_storage=args.kv_storage)
+                            progress=not args.no_progress, kv_storage=args.kv_storage, sparse_rule=sparse_rule,
+                            packed=not args.no_packed)
     wall = time.perf_counter() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -155,7 +172,8 @@ def run_fidelity(args: argparse.Namespace) -> int:
         "argv": sys.argv,
         "traces": [t.name for t in traces], "prompt_tokens": [len(t.prompt_ids) for t in traces],
         "tokens": args.tokens, "budgets": args.budgets, "policies": args.policies, "top_k": rule.top_k,
-        "global_threshold": rule.threshold, "n_prefix": args.n_prefix, "generated": bool(args.generate),
+        "global_threshold": rule.threshold, "length_aware_rule": dataclasses.asdict(sparse_rule), "study": args.study, "runs": [r.name for r in runs],
+        "n_prefix": args.n_prefix, "generated": bool(args.generate),
         "kv_storage": args.kv_storage, "threads": torch.get_num_threads(), "wall_time_s": round(wall, 1),
     }
     (out / "run.json").write_text(json.dumps(settings, indent=2) + "\n")

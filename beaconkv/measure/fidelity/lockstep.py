@@ -8,6 +8,9 @@ norms, projections, MLPs and the LM head run once over ``runs x traces`` rows wh
 attention reads and writes its own cache. ``stack=False`` decodes each run on its own (the literal
 generation call); a test checks both give the same logits.
 
+On a CPU the shared pass runs with oneDNN-prepacked linear weights (:func:`~beaconkv.models.cpu_linear.prepack`):
+its dozens of rows per step are exactly the small-M matrix products the BLAS handles worst.
+
 The FullKV reference's decode attention is captured through its cache's public ``attention_hook``
 (the recall's ground truth), and each run's held positions are read from its cache before the
 policy's post-step eviction.
@@ -22,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ...cache_stack import CacheStack
+from ...models.cpu_linear import packing_available, prepack
 from ...models.decoder import CausalLM
 from ...policies.base import EvictionPolicy, FullKV
 from ...session import Session, pad_prompts
@@ -63,6 +67,8 @@ class LockStep:
             every query by passing at least the reference capacity); 0 = none.
         cache_dtype: KV dtype of every run (default: the model's).
         kv_storage: Storage of the compressed runs' caches (the reference is always dense).
+        packed: Run the model with oneDNN-prepacked linears on a CPU (the same kernels for every run;
+            False, or no oneDNN, uses the model as it is).
 
     Attributes:
         sessions: The reference's session first, then one per policy.
@@ -78,10 +84,13 @@ class LockStep:
         reference_query_window: int = 0,
         cache_dtype: torch.dtype | None = None,
         kv_storage: str | type[KVStorage] = "dense",
+        packed: bool = True,
     ) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise FidelityError("every prompt needs at least one token.")
         cfg = model.config
+        if packed and model.device.type == "cpu" and packing_available():
+            model = prepack(model, batch_hint=(len(policies) + 1) * len(prompts), dtype=model.dtype)
         self.model, self.stack, self.prompts = model, stack, [list(p) for p in prompts]
         self.lengths = [len(p) for p in prompts]
         if max(self.lengths) + max_new_tokens > cfg.max_position_embeddings:

@@ -43,26 +43,32 @@ def _fmt(x: float, digits: int = 3) -> str:
 def markdown_table(rows: Sequence[FidelityRow], trace: str = "all") -> str:
     """A markdown table of the rows of one trace (default: pooled over traces), policies x budgets.
 
-    Columns: policy, budget, n_recent (and n_beacon), KL, top-1 agreement, recall (global, local, all).
+    Columns: policy, budget, n_recent (and n_beacon), KL, top-1 agreement, recall of the paper rule's
+    global and local queries, recall of the length-aware rule's global queries, all queries, and the
+    query memory of BeaconKV-like policies.
     """
-    sel = sorted((r for r in rows if r.trace == trace), key=lambda r: (_sort_key(r.policy), r.budget))
+    sel = sorted((r for r in rows if r.trace == trace), key=lambda r: (_sort_key(r.policy), r.budget or 0))
     lines = [
         ("| policy | budget | n_recent / n_beacon | KL(full ‖ policy) | top-1 agree | recall global | recall local "
-         "| recall all |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+         "| recall global (length-aware) | recall all | query memory |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sel:
         nb = f" / {r.n_beacon}" if r.n_beacon is not None else ""
+        mem = "–" if r.query_memory != r.query_memory else f"{r.query_memory:.1f}"
         lines.append(
             f"| {r.policy} | {r.budget} | {r.n_recent}{nb} | {_fmt(r.kl, 4)} | {_fmt(r.top1)} | "
-            f"{_fmt(r.recall_global)} | {_fmt(r.recall_local)} | {_fmt(r.recall)} |"
+            f"{_fmt(r.recall_global)} | {_fmt(r.recall_local)} | {_fmt(r.recall_global_la)} | {_fmt(r.recall)} | {mem} |"
         )
     if sel:
         r = sel[0]
         lines.append("")
         lines.append(
-            f"{r.steps} decode steps; {r.n_global} of {r.n_queries} queries "
-            f"({100 * r.n_global / max(r.n_queries, 1):.2f}%) are global."
+            f"{r.steps} decode steps; of {r.n_queries} queries, {r.n_global} "
+            f"({100 * r.n_global / max(r.n_queries, 1):.2f}%) are global by the paper's rule and {r.n_global_la} "
+            f"({100 * r.n_global_la / max(r.n_queries, 1):.2f}%) by the length-aware rule; "
+            f"{100 * r.prompt_mass:.1f}% of the attention mass lies on the protected prompt "
+            f"({100 * r.prompt_mass_global:.1f}% for the paper's global queries)."
         )
     return "\n".join(lines)
 

@@ -21,6 +21,7 @@ from ...models.decoder import CausalLM
 from ...policies.base import EvictionPolicy
 from ...policies.config import PolicyConfigError
 from ...policies.registry import make_policy, policy_parameters
+from ...policies.samplers import KMeans, NaiveFPS
 from .errors import FidelityError
 from .lockstep import LockStep, StepOutput
 from .metrics import GlobalQueryRule, LengthAwareRule, held_attention_mass, kl_divergence, prompt_mass
@@ -92,6 +93,32 @@ def study_runs(
             except PolicyConfigError as err:
                 raise FidelityError(f"{name} at budget {budget} with {kw}: {err}") from err
     return out
+
+
+def ablation_runs(budget: int = 256) -> list[Run]:
+    """The paper's ablations as runs of one study, at one budget (256: valid for every split).
+
+    (n_beacon, n_recent) = (16, 16) [the default], (1, 31), (28, 4), (0, 32) ≈ RPC-like; ``max`` vs
+    ``mean`` aggregation; Continual FPS vs Naive FPS vs K-Means over the whole history (paper Fig. 7;
+    the rows' ``query_memory`` column gives what each holds).
+    """
+    specs = [
+        ("beacon", {}),
+        ("beacon(1,31)", {"n_beacon": 1, "n_recent": 31}),
+        ("beacon(28,4)", {"n_beacon": 28, "n_recent": 4}),
+        ("beacon(0,32)", {"n_beacon": 0, "n_recent": 32}),
+        ("beacon[mean]", {"aggregation": "mean"}),
+        ("beacon[naive_fps]", {"sampler": NaiveFPS()}),
+        ("beacon[kmeans]", {"sampler": KMeans(n_iter=10)}),
+    ]
+    runs = []
+    for label, kw in specs:
+        settings = {"n_beacon": 16, "n_recent": 16, **kw}
+        try:
+            runs.append(Run(label, make_policy("beacon", budget, **settings)))
+        except PolicyConfigError as err:
+            raise FidelityError(f"ablation {label} at budget {budget}: {err}") from err
+    return runs
 
 
 @dataclass
@@ -243,6 +270,7 @@ def measure_fidelity(
     progress: bool = True,
     kv_storage: str = "dense",
     sparse_rule: LengthAwareRule | None = None,
+    packed: bool = True,
 ) -> list[FidelityRow]:
     """Runs the lock-step study and returns one row per (policy, budget) x (each trace, ``"all"``).
 
@@ -256,6 +284,7 @@ def measure_fidelity(
         progress: Show a tqdm progress bar.
         kv_storage: Storage of the compressed runs' caches (``"dense"`` or ``"int8"``).
         sparse_rule: The length-aware global/local rule (default :class:`LengthAwareRule`).
+        packed: On a CPU, run the stacked dense layers with oneDNN-prepacked weights (see :class:`LockStep`).
 
     Returns:
         The rows, ``"all"`` rows first in run order, then per-trace rows.
@@ -271,7 +300,7 @@ def measure_fidelity(
         raise FidelityError("no trace to force; check --traces / --trace-ids / --num-traces.")
     tokens = forced_tokens(traces, n_tokens)
     lock = LockStep(model, [r.policy for r in runs], [t.prompt_ids for t in traces], n_tokens, stack=stack,
-                    kv_storage=kv_storage)
+                    kv_storage=kv_storage, packed=packed)
     B = len(traces)
     prompt_len = torch.tensor([len(t.prompt_ids) for t in traces], device=lock.device)
     tallies = [_Tally(B) for _ in runs]

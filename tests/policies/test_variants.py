@@ -1,0 +1,105 @@
+"""The variants beyond the paper: each reduces to BeaconKV where it should, and does what it claims."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from beaconkv.cache import KVCache
+from beaconkv.models.rope import RotaryEmbedding
+from beaconkv.policies import BeaconKV, EventBeaconKV, GroupBeaconKV, MemoryBeaconKV, make_policy
+from beaconkv.policies.scoring import reduce_group, reduce_queries
+
+from .driver import bind, drive
+
+
+def _kept(state):
+    return [(r.step, r.layer, r.kept_positions.tolist()) for r in state.stats.telemetry]
+
+
+def _same_run(a, b, **drive_kw):
+    _, sa = drive(a, [9, 14], steps=120, **drive_kw)
+    _, sb = drive(b, [9, 14], steps=120, **drive_kw)
+    return _kept(sa), _kept(sb), sa, sb
+
+
+def test_group_sharing_with_groups_of_one_is_beacon_kv():
+    ka, kb, _, _ = _same_run(BeaconKV(32, n_beacon=4, n_recent=4, telemetry=True),
+                             GroupBeaconKV(32, n_beacon=4, n_recent=4, telemetry=True), n_kv=2, group=1)
+    assert ka == kb and ka
+
+
+def test_group_sharing_keeps_one_set_per_kv_head_and_divides_the_memory():
+    policy = GroupBeaconKV(32, n_beacon=4, n_recent=4)
+    _, state = drive(policy, [9, 14], steps=120, n_kv=2, group=3)
+    assert state.beacons.q.shape[-3] == 2 and state.obs.q.shape[-3] == 2  # KV heads, not the 6 query heads
+    plain = BeaconKV(32, n_beacon=4, n_recent=4)
+    _, ref = drive(plain, [9, 14], steps=120, n_kv=2, group=3)
+    for b in range(2):  # the stored sets count 1/3 per query head; the pending ring queries are per head
+        stored_g, pending_g = policy.lifecycle.held(policy, state, b)
+        assert policy.held_queries(state)[b] == pytest.approx(stored_g / 3 + pending_g)
+        assert policy.held_queries(state)[b] < plain.held_queries(ref)[b]
+
+
+def test_evictable_normalisation_without_a_protected_prefix_is_beacon_kv():
+    ka, kb, _, _ = _same_run(BeaconKV(32, n_beacon=4, n_recent=4, n_prefix=0, telemetry=True),
+                             make_policy("beacon_evictable", 32, n_beacon=4, n_recent=4, n_prefix=0, telemetry=True))
+    assert ka == kb and ka
+
+
+def test_memory_zero_is_beacon_kv_and_memory_only_raises_scores():
+    ka, kb, _, _ = _same_run(BeaconKV(32, n_beacon=4, n_recent=4, telemetry=True),
+                             MemoryBeaconKV(32, n_beacon=4, n_recent=4, memory=0.0, telemetry=True))
+    assert ka == kb and ka
+    seen = []
+
+    class Watching(MemoryBeaconKV):
+        def score(self, state, layer_state, cache, rows, t):
+            now = BeaconKV.score(self, state, layer_state, cache, rows, t)
+            out = super().score(state, layer_state, cache, rows, t)
+            seen.append(bool((out >= now).all()) and bool((layer_state.remembered[rows] == out).all()))
+            return out
+
+    drive(Watching(32, n_beacon=4, n_recent=4, memory=0.7), [9], steps=80)
+    assert seen and all(seen)
+
+
+def test_logsumexp_tends_to_max_and_is_a_smooth_upper_bound():
+    w = torch.rand(2, 3, 2, 5, 17)  # (b, kv, group, n, C)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    hard = reduce_group(reduce_queries(w, mask, "max"), "max")
+    for temp, tol in ((0.001, 0.02), (0.0001, 0.002)):
+        soft = reduce_group(reduce_queries(w, mask, "logsumexp", temp), "logsumexp", temp)
+        assert bool((soft >= hard - 1e-6).all()) and float((soft - hard).max()) < tol
+    assert make_policy("beacon_lse", 128).aggregation == "logsumexp"
+
+
+def test_event_refresh_takes_in_a_far_looking_query_and_ignores_a_local_one():
+    policy = EventBeaconKV(64, n_beacon=2, n_recent=8, n_events=2, event_mass=0.5, event_window=4)
+    B, n_kv, G, D, C = 1, 1, 2, 4, 96
+    cache = KVCache.allocate(1, B, n_kv, n_kv * G, C, D, query_window=policy.query_window(C),
+                             track_attention=True)
+    state = bind(policy, cache, RotaryEmbedding(D), [6])
+    layer = cache[0]
+    g = torch.Generator().manual_seed(0)
+    layer.write_prefill(torch.randn(B, n_kv, 6, D, generator=g), torch.randn(B, n_kv, 6, D, generator=g),
+                        torch.randn(B, n_kv * G, 6, D, generator=g), torch.arange(6)[None], torch.ones(B, 6, dtype=torch.bool))
+    policy.after_prefill(state, [0])
+    for p in range(6, 30):
+        q = torch.randn(B, n_kv * G, 1, D, generator=g)
+        layer.append(torch.randn(B, n_kv, 1, D, generator=g), torch.randn(B, n_kv, 1, D, generator=g), q, torch.tensor([p]))
+        w = torch.zeros(B, n_kv, G, C)
+        if p == 25:  # head 1 looks at position 8: generated, far behind (window 4)
+            w[0, 0, 0, p] = 1.0
+            w[0, 0, 1, 8] = 1.0
+        else:  # everyone looks at itself: local
+            w[0, 0, :, p] = 1.0
+        layer.attention_hook(w)
+        if p == 25:
+            event_q = q[0, 1, 0].clone()
+        policy.after_decode_step(state)
+    events = state.layers[0].events
+    assert events.valid[0, 1].tolist() == [True, False] and events.pos[0, 1, 0].item() == 25
+    torch.testing.assert_close(events.q[0, 1, 0], event_q)
+    assert not events.valid[0, 0].any() and int(state.flagged[0]) == 1
+    assert policy.held_queries(state)[0] == BeaconKV.held_queries(policy, state)[0] + 2
