@@ -14,6 +14,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from .execution import CompileError
 from .generation import PromptError
@@ -44,6 +45,19 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     return (*USER_ERRORS, *extra)
 
 
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line too: ``beaconkv <command>: error: <message>``, exit 2.
+
+    argparse prints the usage block before the error; this prints the error alone, with a pointer to
+    ``--help``, so that a mistyped option reads like every other user error. Subparsers made with
+    ``add_subparsers().add_parser`` are of the same class.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        """Prints ``<prog>: error: <message> (see '<prog> --help')`` on stderr and exits with status 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def add_debug_argument(parser: argparse.ArgumentParser) -> None:
     """``--debug``: show the traceback of a user error too."""
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
@@ -52,7 +66,7 @@ def add_debug_argument(parser: argparse.ArgumentParser) -> None:
 def module_main(name: str, add: Callable[[argparse.ArgumentParser], object],
                 run: Callable[[argparse.Namespace], int | None], argv: list[str] | None = None) -> int:
     """``python -m`` entry of one subcommand: its parser (``add``), then :func:`run_command`."""
-    parser = argparse.ArgumentParser(prog=f"beaconkv {name}")
+    parser = CommandParser(prog=f"beaconkv {name}")
     add(parser)
     add_debug_argument(parser)
     return run_command(name, run, parser.parse_args(argv))

@@ -271,9 +271,12 @@ class Engine:
         if request.stop and self.tokenizer is None:
             raise EngineError("stop strings need a tokenizer; make the engine with one, or use eos_token_ids.")
         vocab = self.model.config.vocab_size
-        bad = [t for t in request.prompt if not 0 <= int(t) < vocab]
+        bad = [(i, int(t)) for i, t in enumerate(request.prompt) if not 0 <= int(t) < vocab]
         if bad:
-            raise EngineError(f"token id {bad[0]} is outside the vocabulary (0 .. {vocab - 1}).")
+            i, t = bad[0]
+            more = f", {len(bad)} bad ids in all" if len(bad) > 1 else ""
+            raise EngineError(f"token id {t} is outside the vocabulary 0 .. {vocab - 1} of this model (prompt "
+                              f"position {i}{more}); encode prompts with this model's tokenizer.")
 
     def submit(self, request: Request) -> int:
         """Queues a request; returns its id. Thread-safe.

@@ -16,6 +16,7 @@ admissions). Eviction runs between steps, at steps the policy computes on the ho
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -194,8 +195,13 @@ def resolve_policy(policy: EvictionPolicy | str | None, policy_args: Mapping[str
 
 
 def _check_count(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}.")
+    if isinstance(value, bool) or not isinstance(value, int):
+        example = f"e.g. {name}={max(minimum, int(value))}" if isinstance(value, float) and math.isfinite(value) \
+            else f"e.g. {name}={max(minimum, 256)}"
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}, not {type(value).__name__}; "
+                         f"pass a whole number ({example}).")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be an int >= {minimum}.")
 
 
 def generate(

@@ -7,6 +7,8 @@ compiled decode step.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +24,10 @@ class SamplingParams:
         temperature: 0 means greedy (argmax).
         top_p: Nucleus mass kept (1.0 = off).
         top_k: Most likely tokens kept (0 = off).
+
+    Raises:
+        ValueError: A temperature that is negative, NaN or infinite; a ``top_p`` outside ``(0, 1]``
+            (NaN included); a ``top_k`` that is negative or not an int.
     """
 
     temperature: float = 0.0
@@ -29,10 +35,16 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self) -> None:
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number "
+                                 f"({'>= 0; 0 = greedy' if name == 'temperature' else 'in (0, 1]; 1 = off'}).")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy).")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must lie in (0, 1].")
+            raise ValueError(f"top_p={self.top_p} must lie in (0, 1] (1 = off).")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off).")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off).")
 

@@ -1,7 +1,21 @@
-"""The command line: generate (embedded model by default, policies) and demo, end to end."""
+"""The command line: generate (embedded model by default, policies) and demo end to end, options, one-line errors."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import beaconkv
+from beaconkv import cli
 from beaconkv.cli import main
 
 
@@ -21,7 +35,190 @@ def test_generate_batch_of_prompts(tiny_models, capsys):
     assert "--- [0] ---" in out and "--- [1] ---" in out
 
 
-def test_demo_prints_text_and_stats(capsys):
-    rc = main(["demo", "--max-new-tokens", "8"])
+# ----------------------------------------------------------------------------------------- helpers
+@pytest.fixture
+def restore_threads():
+    """``--threads`` sets torch's global thread count: put it back after the test."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tiny_models, tmp_path_factory) -> Path:
+    """The tiny random llama as a checkpoint the CLI can load: weights, config and a 97-token word tokenizer."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    d = tmp_path_factory.mktemp("tiny_cli")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_models["llama"][0] / name, d / name)
+    words = ["<unk>", "<s>", "</s>", *string.ascii_lowercase, *[f"w{i}" for i in range(97 - 29)]]
+    tok = HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    return d
+
+
+def _one_line_error(rc: int, err: str, command: str, *fragments: str) -> str:
+    """Exit 2 and exactly one ``beaconkv <command>: error:`` line on stderr holding every fragment."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, err
+    assert len(lines) == 1, f"expected one line, got:\n{err}"
+    assert lines[0].startswith(f"beaconkv {command}: error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if ``generate``/``demo`` would load a model or a tokenizer (or even locate one)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    for name in ("load_model", "load_tokenizer", "model_path"):
+        monkeypatch.setattr(cli, name, refuse)
+
+
+# -------------------------------------------------------------------------------------------- demo
+@pytest.mark.parametrize("policy,label", [("beacon", "BeaconKV(budget=16)"), ("snapkv", "SnapKV(budget=16)")])
+def test_demo_prints_fullkv_and_the_policy_side_by_side(policy, label, capsys):
+    rc = main(["demo", "--no-compile", "--max-new-tokens", "24", "--policy", policy, "--budget", "16",
+               "--n-recent", "2"])
     out = capsys.readouterr().out
-    assert rc == 0 and "tokens/s" in out and "cache capacity" in out
+    assert rc == 0
+    header = next(line for line in out.splitlines() if "FullKV" in line and label in line)
+    assert header.index("FullKV") < header.index(label)
+    rows = {line.split("  ")[0]: line.split()[-2:] for line in out.splitlines() if "  " in line}
+    full_evictions, beacon_evictions = map(int, rows["evictions"])
+    assert full_evictions == 0 and beacon_evictions > 0
+    assert "KV cache memory" in rows and "MiB" in out and "decode tokens/s (eager)" in out
+    assert "tokens same as FullKV" in out and "final answers match" in out
+    assert "not a reasoner" in out  # the small model's answers are not sold as correct
+
+
+def test_demo_defaults_evict_many_times_and_compile():
+    args = cli.build_parser().parse_args(["demo"])
+    assert (args.policy, args.budget, args.n_recent) == ("beacon", 64, 8)
+    assert args.compile and args.ignore_eos and args.max_new_tokens >= 300
+    policy = cli.policy_from_args(args)  # a valid policy: budget - floor(7/8 budget) >= n_recent
+    assert (args.max_new_tokens - 1) // (policy.budget - policy.budget * 7 // 8) >= 30  # evictions, at least
+
+
+def test_demo_compiled_announces_the_compile_and_remembers_its_time(tiny_checkpoint, capsys, monkeypatch, tmp_path,
+                                                                    restore_threads):
+    monkeypatch.setenv("BEACONKV_CACHE", str(tmp_path))
+    monkeypatch.setattr(cli, "_inductor_cache_state", lambda: "cold")
+    argv = ["demo", "--model", str(tiny_checkpoint), "--prompt", "a b c d e f", "--raw", "--threads", "1",
+            "--compile-backend", "aot_eager", "--max-new-tokens", "24", "--budget", "16", "--n-recent", "2"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert re.search(r"compiling the decode step \(once, ~\d+ s\)…", captured.err), captured.err
+    assert "decode tokens/s (compiled, aot_eager)" in captured.out
+    times = json.loads((tmp_path / "demo-compile-times.json").read_text())
+    assert any(k.startswith("decode ") for k in times) and all(v >= 0 for v in times.values())
+    estimate = cli.compile_estimate(cli.build_parser().parse_args(argv), "decode")
+    assert estimate in times.values()  # the next run announces the time measured here
+
+
+def test_final_answer_and_token_agreement():
+    assert cli.final_answer("so 17 - 8 = 9.\nThe final answer is 9.") == "9"
+    assert cli.final_answer("The answer is \\boxed{42}.") == "42"
+    assert cli.final_answer("1. First we count 17 sheep", finished=False) is None
+    assert cli.final_answer("We get 1,234 sheep") == "1234"
+    assert cli.token_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == (1.0, None)
+    assert cli.token_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (0.75, 2)
+
+
+# --------------------------------------------------------------------------------- generate options
+def test_generate_threads_and_compile_parse_and_work(tiny_checkpoint, capsys, restore_threads):
+    rc = main(["generate", "--model", str(tiny_checkpoint), "--prompt", "a b c", "--raw", "--max-new-tokens", "4",
+               "--ignore-eos", "--threads", "1", "--compile", "--compile-backend", "aot_eager"])
+    err = capsys.readouterr().err
+    assert rc == 0 and torch.get_num_threads() == 1
+    assert "new tokens [4]" in err and "compiled, aot_eager" in err
+
+
+def test_generate_compile_is_off_by_default():
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x"])
+    assert args.compile is False and args.threads is None and args.ignore_eos is False
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"beaconkv {beaconkv.__version__}"
+
+
+# ------------------------------------------------------------------------------------ user errors
+@pytest.mark.parametrize("command", ["generate", "demo"])
+def test_unknown_policy_fails_before_loading(command, capsys, no_model):
+    rc = main([command, "--prompt", "x", "--policy", "beacn"])
+    _one_line_error(rc, capsys.readouterr().err, command, "policy='beacn' is unknown", "did you mean 'beacon'")
+
+
+def test_budget_too_small_for_n_recent_fails_before_loading(capsys, no_model):
+    rc = main(["generate", "--prompt", "x", "--policy", "beacon", "--budget", "64"])
+    _one_line_error(rc, capsys.readouterr().err, "generate", "budget=64", "n_recent=16", "budget >= 128",
+                    "smaller n_recent")
+
+
+@pytest.mark.parametrize("option,value,fragment", [
+    ("--temperature", "nan", "temperature=nan"), ("--temperature", "inf", "temperature=inf"),
+    ("--temperature", "-0.5", "temperature=-0.5"), ("--top-p", "nan", "top_p=nan"), ("--top-k", "-1", "top_k=-1"),
+])
+def test_bad_sampling_fails_before_loading(option, value, fragment, capsys, no_model):
+    rc = main(["generate", "--prompt", "x", option, value])
+    _one_line_error(rc, capsys.readouterr().err, "generate", fragment)
+
+
+@pytest.mark.parametrize("command", ["generate", "demo"])
+def test_float8_dtype_fails_before_loading(command, capsys, no_model):
+    rc = main([command, "--prompt", "x", "--dtype", "float8"])
+    _one_line_error(rc, capsys.readouterr().err, command, "'float8'", "float32, bfloat16 or float16")
+
+
+def test_missing_model_path(capsys, tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+    rc = main(["generate", "--prompt", "x", "--model", str(missing)])
+    _one_line_error(rc, capsys.readouterr().err, "generate", str(missing), "does not exist", "config.json")
+
+
+def test_offline_hub_id_is_one_line_without_traceback(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-m", "beaconkv.cli", "generate", "--model", "someone/nonexistent-model",
+                           "--prompt", "x"], env=env, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stderr
+    _one_line_error(proc.returncode, proc.stderr, "generate", "'someone/nonexistent-model'", "HF_HUB_OFFLINE")
+
+
+def test_broken_config_json_names_the_file(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64,')
+    rc = main(["generate", "--prompt", "x", "--model", str(tmp_path)])
+    _one_line_error(rc, capsys.readouterr().err, "generate", str(tmp_path / "config.json"), "not valid JSON")
+
+
+def test_argparse_errors_are_one_line_too(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--max-new-tokens", "3"])  # --prompt is required
+    _one_line_error(exit_.value.code, capsys.readouterr().err, "generate", "--prompt", "--help")
+
+
+@pytest.mark.parametrize("command,extra", [
+    ("generate", ["--prompt", "x"]), ("demo", []), ("fidelity", ["--num-traces", "1"]), ("analyze", []),
+    ("bench", ["--quick"]), ("eval", ["--benchmark", "aime24", "--limit", "1"]),
+])
+def test_every_command_reports_a_missing_model_in_one_line(command, extra, capsys, tmp_path):
+    out = tmp_path / "out"
+    missing = tmp_path / "no-such-checkpoint"
+    argv = [command, "--model", str(missing), *extra]
+    if command in ("fidelity", "bench", "eval", "analyze"):
+        argv += ["--out", str(out)]
+    rc = main(argv)
+    _one_line_error(rc, capsys.readouterr().err, command, str(missing))
+    assert not out.exists(), "an --out folder was left behind"

@@ -8,11 +8,15 @@ and the code it shows still runs.
   runs. Tracebacks point at the page's own line numbers;
 * every ``beaconkv ...`` command of a ``bash`` block must parse with the real command-line parser
   (tools whose module is not importable are skipped);
-* the figure script still draws both figures.
+* the figure script still draws both figures;
+* the command-line reference (``cli.md``) is generated from the real parser, the specification
+  page's sections carry the anchors docstrings link to ("SPEC §4"), and docstring examples render
+  as code.
 """
 
 from __future__ import annotations
 
+import argparse
 import html
 import importlib
 import inspect
@@ -204,3 +208,43 @@ def test_figure_script_draws_both_figures(tmp_path) -> None:
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
         assert (DOCS / "img" / p.name).is_file(), f"run python docs/figures/make_figures.py to create docs/img/{p.name}"
+
+
+# ------------------------------------------------------------------------ generated and linked pages
+def _text(fragment: str) -> str:
+    """The text of an HTML fragment: tags dropped, entities decoded."""
+    return html.unescape(re.sub(r"<[^>]+>", "", fragment))
+
+
+def test_cli_reference_is_generated_from_the_parser(site: Path) -> None:
+    from beaconkv.cli import build_parser
+
+    page = (site / "cli" / "index.html").read_text(encoding="utf-8")
+    text = _text(page)
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert "usage: beaconkv [-h] [--version]" in text
+    for name, subparser in sub.choices.items():
+        assert f'id="beaconkv-{name}"' in page, f"no section for `beaconkv {name}` in cli.md"
+        assert f"usage: beaconkv {name}" in text
+        for action in subparser._actions:
+            for option in action.option_strings:
+                assert option in text, f"`beaconkv {name} {option}` is missing from the CLI reference"
+    assert "<!-- cli-reference -->" not in page
+
+
+def test_spec_page_sections_have_anchors_and_docstrings_link_to_them(site: Path) -> None:
+    spec = (site / "spec" / "index.html").read_text(encoding="utf-8")
+    expected = ["1-why", "2-terms-and-budget-semantics", "3-farthest-point-sampling", "4-beaconkv-step-by-step",
+                "5-baselines", "6-paper-settings", "7-weaknesses", "8-the-embedded-model"]
+    assert re.findall(r'<h2 id="(\d-[a-z-]+)"', spec) == expected
+    beacon = (site / "api" / "policies" / "beacon" / "index.html").read_text(encoding="utf-8")
+    assert re.search(r'href="[./]*spec/#4-beaconkv-step-by-step"[^>]*>\s*SPEC §4', beacon)
+    assert "spec.md" in (ROOT / "mkdocs.yml").read_text() and "cli.md" in (ROOT / "mkdocs.yml").read_text()
+
+
+def test_beaconkv_docstring_example_renders_as_code(site: Path) -> None:
+    page = (site / "api" / "policies" / "beacon" / "index.html").read_text(encoding="utf-8")
+    blocks = [_text(b) for b in re.findall(r"<pre[^>]*>(.*?)</pre>", page, flags=re.S)]
+    assert any("policy = BeaconKV(budget=2048, n_beacon=16, n_recent=16" in b and "beaconkv.generate(" in b
+               for b in blocks), "the Example of BeaconKV's docstring is not rendered inside a <pre> code block"

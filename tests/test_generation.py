@@ -1,4 +1,4 @@
-"""Generation behaviour: stopping, sampling, streaming, stats and bad input."""
+"""Generation behaviour: stopping, sampling, streaming, stats, policies by name, cache dtypes and bad input."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 import beaconkv
 from beaconkv.generation import PromptError
+from beaconkv.policies import BeaconKV
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +86,43 @@ def test_bad_sampling_parameters(llama):
         beaconkv.generate(llama, None, [[5, 6]], temperature=-1)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         beaconkv.generate(llama, None, [[5, 6]], max_new_tokens=0)
+
+
+def test_token_ids_outside_the_vocabulary_name_the_id_and_the_range(llama):
+    vocab = llama.config.vocab_size
+    with pytest.raises(PromptError, match=rf"token id {vocab + 3} is outside the vocabulary 0 \.\. {vocab - 1}.*"
+                                          r"prompt position 1.*tokenizer"):
+        beaconkv.generate(llama, None, [[5, vocab + 3, 7]], max_new_tokens=2)
+    with pytest.raises(PromptError, match=r"token id -1 is outside"):
+        beaconkv.generate(llama, None, [[-1]], max_new_tokens=2)
+
+
+def test_fractional_max_new_tokens_is_a_clear_error(llama):
+    with pytest.raises(ValueError, match=r"max_new_tokens=2\.5 must be an int >= 1, not float.*max_new_tokens=2\b"):
+        beaconkv.generate(llama, None, [[5, 6]], max_new_tokens=2.5)
+
+
+@pytest.mark.parametrize("name,value", [("temperature", float("nan")), ("temperature", float("inf")),
+                                        ("top_p", float("nan"))])
+def test_non_finite_sampling_parameters_are_rejected(llama, name, value):
+    with pytest.raises(ValueError, match=rf"{name}={value!r} must be a finite number"):
+        beaconkv.generate(llama, None, [[5, 6]], max_new_tokens=2, **{name: value})
+
+
+def test_policy_by_name_with_policy_args(llama):
+    out = beaconkv.generate(llama, None, _prompts(2), max_new_tokens=150, eos_token_ids=[], policy="beacon",
+                            policy_args={"budget": 128})
+    assert isinstance(out.policy, BeaconKV) and out.policy.budget == 128 and out.policy.n_recent == 16
+    assert out.stats.cache_capacity == 12 + 128 and all(n > 0 for n in out.stats.evictions)
+
+
+def test_bfloat16_cache_under_a_float32_model(llama):
+    kw = dict(max_new_tokens=24, eos_token_ids=[], policy=BeaconKV(budget=16, n_recent=2))
+    full = beaconkv.generate(llama, None, _prompts(), **kw)
+    half = beaconkv.generate(llama, None, _prompts(), cache_dtype=torch.bfloat16, **kw)
+    layer = half.policy_state.cache[0]
+    assert llama.lm_head.weight.dtype == torch.float32
+    assert layer.storage.k.dtype == torch.bfloat16 and layer.dtype == torch.float32  # stored bf16, attended fp32
+    assert half.stats.cache_bytes * 2 == full.stats.cache_bytes
+    assert all(n > 0 for n in half.stats.evictions) and half.stats.new_tokens == [24, 24, 24]
+    assert [t[0] for t in half.token_ids] == [t[0] for t in full.token_ids]  # the prefill's token does not read it

@@ -20,6 +20,10 @@ class UnsupportedModelError(ValueError):
     """The checkpoint's ``model_type`` (or one of its settings) is not supported by beaconkv."""
 
 
+class ConfigFileError(ValueError):
+    """A checkpoint's ``config.json`` cannot be parsed: invalid JSON, not an object, or a required key missing."""
+
+
 @dataclass
 class RopeConfig:
     """Rotary embedding settings.
@@ -104,12 +108,20 @@ class ModelConfig:
         Raises:
             UnsupportedModelError: ``model_type`` is missing or not one of llama, qwen2, qwen3, or the
                 rotary scaling type is unknown.
+            ConfigFileError: ``raw`` is not a dictionary, or a required key is missing or not a number.
         """
+        if not isinstance(raw, dict):
+            raise ConfigFileError(f"a config must be a JSON object, got {type(raw).__name__}.")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type={model_type!r} is not supported; beaconkv supports {', '.join(SUPPORTED_MODEL_TYPES)}."
             )
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if not isinstance(raw.get(k), int) or isinstance(raw.get(k), bool)]
+        if missing:
+            raise ConfigFileError(f"the {model_type} config lacks integer values for {', '.join(missing)}; "
+                                  "restore the checkpoint's original config.json.")
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         head_dim = raw.get("head_dim") or hidden // heads
@@ -146,13 +158,25 @@ class ModelConfig:
 
         Raises:
             FileNotFoundError: The file does not exist.
+            ConfigFileError: The file is not valid JSON or lacks a required key (the message names the file).
+            UnsupportedModelError: See :meth:`from_dict`.
         """
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"No config.json at {path}; a checkpoint directory needs one.")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            where = (f" (line {err.lineno}, column {err.colno}: {err.msg})"
+                     if isinstance(err, json.JSONDecodeError) else "")
+            raise ConfigFileError(f"{path} is not valid JSON{where}; restore the checkpoint's original config.json "
+                                  "(re-download it or copy it from the model's page).") from None
+        try:
+            return cls.from_dict(raw)
+        except ConfigFileError as err:
+            raise ConfigFileError(f"{path}: {err}") from None
 
 
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")

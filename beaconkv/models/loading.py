@@ -10,6 +10,7 @@ all at once, by name and shape.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,21 +37,28 @@ class CheckpointError(ValueError):
     """A checkpoint's files do not match the architecture or cannot be read."""
 
 
+#: The dtypes a model may be loaded as (its parameters, activations and, by default, its KV cache).
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
-    """Turns ``torch.bfloat16`` / ``"bf16"`` / ``"float32"`` ... into a floating torch dtype.
+    """Turns ``torch.bfloat16`` / ``"bf16"`` / ``"float32"`` ... into one of :data:`MODEL_DTYPES`.
 
     Raises:
-        ValueError: Unknown or non-floating dtype.
+        ValueError: An unknown name, or a dtype the model cannot compute in (integers, float8,
+            float64...); the message lists float32, bfloat16 and float16.
     """
     if dtype is None:
         return torch.float32
     if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype={dtype} is not a floating dtype; use float32, bfloat16 or float16.")
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype={dtype} is not supported for a model: use float32, bfloat16 or float16 "
+                             "(e.g. dtype=torch.bfloat16).")
         return dtype
     key = str(dtype).lower().removeprefix("torch.")
     if key not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is unknown; use one of {', '.join(sorted(_DTYPES))}.")
+        raise ValueError(f"dtype={dtype!r} is not supported: use float32, bfloat16 or float16 "
+                         f"(accepted spellings: {', '.join(sorted(_DTYPES))}).")
     return _DTYPES[key]
 
 
@@ -88,22 +96,41 @@ def resolve_checkpoint(path_or_id: str | Path) -> Path:
     s = str(path_or_id)
     looks_local = s.startswith((".", "/", "~")) or s.count("/") != 1
     if looks_local:
-        raise FileNotFoundError(f"checkpoint directory {s!r} does not exist.")
+        raise FileNotFoundError(
+            f"checkpoint directory {s!r} does not exist; pass a directory holding config.json and *.safetensors, "
+            "a hub id such as Qwen/Qwen3-4B, or 'embedded' for the embedded SmolLM2-135M."
+        )
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(repo_id=s, allow_patterns=HUB_PATTERNS))
     except Exception as err:  # offline, unknown repo, gated...
+        reason = (str(err).strip().splitlines() or [""])[0][:300]
+        if _hub_offline():
+            raise FileNotFoundError(
+                f"{s!r} is not a local directory and is not in the Hugging Face cache, and HF_HUB_OFFLINE is set, "
+                "so it cannot be downloaded; unset HF_HUB_OFFLINE (and check your network) or pass a local "
+                "checkpoint directory."
+            ) from err
         raise FileNotFoundError(
-            f"{s!r} is neither a local directory nor a downloadable hub repo ({type(err).__name__}: {err}). "
-            "Pass a local checkpoint directory or check the repo id and your network/token."
+            f"{s!r} is neither a local directory nor a downloadable hub repo ({type(err).__name__}: {reason}); "
+            "check the repo id (owner/name), your network and HF_TOKEN for gated models, or pass a local directory."
         ) from err
+
+
+def _hub_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` forbids hub downloads."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _shard_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({type(err).__name__}: {err}); "
+                                  "restore the file from the checkpoint's source.") from None
         files = sorted({directory / f for f in weight_map.values()})
         missing = [str(f) for f in files if not f.is_file()]
         if missing:

@@ -11,7 +11,11 @@ print verbatim:
   that follows is already a Markdown code block);
 * a free-form heading line such as ``Invariants:`` directly followed by an indented bullet list
   (Google style, but not a section griffe knows) gets the blank line and dedent Markdown needs to
-  render the list as a list.
+  render the list as a list;
+* a reference to the specification, ``SPEC §4`` (or ``SPEC §3-4``), links to that section of the
+  site's ``spec.md`` page. The anchors are read from the page's own ``## N. Title`` headings, and
+  the links are required autorefs: a reference to a section that does not exist fails the strict
+  build.
 
 Loaded by mkdocstrings through ``extensions:`` in ``mkdocs.yml``; it only rewrites the docstring
 text griffe hands to the renderer, never the package's files.
@@ -21,9 +25,16 @@ from __future__ import annotations
 
 import html
 import re
+from pathlib import Path
 from typing import Any
 
 import griffe
+from markdown.extensions.toc import slugify
+
+#: The specification page whose sections ``SPEC §N`` references link to.
+SPEC_PAGE = Path(__file__).resolve().parents[1] / "spec.md"
+_SPEC_HEADING = re.compile(r"^## (?P<number>\d+)\. (?P<title>.+?)\s*$", re.MULTILINE)
+_SPEC_REF = re.compile(r"SPEC §(?P<first>\d+)(?:(?P<dash>[-–])(?P<last>\d+))?")
 
 _ROLE = re.compile(r":(?:py:)?(?:class|func|meth|attr|mod|data|exc|obj|const):`(?P<tilde>~?)(?P<target>[^`]+)`")
 _LITERAL_MARKER = re.compile(r"(?<=\S)::[ \t]*$", re.MULTILINE)
@@ -63,6 +74,26 @@ def _resolve(obj: griffe.Object, target: str) -> str | None:
     return None
 
 
+def spec_anchors(page: Path = SPEC_PAGE) -> dict[str, str]:
+    """Section number -> heading anchor of the specification page (``"4"`` -> ``"4-beaconkv-step-by-step"``)."""
+    text = page.read_text(encoding="utf-8") if page.is_file() else ""
+    return {m["number"]: slugify(f"{m['number']}. {m['title']}", "-") for m in _SPEC_HEADING.finditer(text)}
+
+
+def _spec_links(text: str, anchors: dict[str, str]) -> str:
+    def link(number: str, shown: str) -> str:
+        anchor = anchors.get(number, f"spec-section-{number}-does-not-exist")
+        return f'<autoref identifier="{anchor}">{shown}</autoref>'
+
+    def ref(match: re.Match) -> str:
+        out = link(match["first"], f"SPEC §{match['first']}")
+        if match["last"]:
+            out += match["dash"] + link(match["last"], match["last"])
+        return out
+
+    return _SPEC_REF.sub(ref, text)
+
+
 def _rewrite(obj: griffe.Object, text: str) -> str:
     def role(match: re.Match) -> str:
         target = match["target"].strip().removesuffix("()")
@@ -73,7 +104,11 @@ def _rewrite(obj: griffe.Object, text: str) -> str:
             return f"`{shown}`"
         return f'<autoref identifier="{html.escape(path)}" optional>{code}</autoref>'
 
-    return _HEADED_LIST.sub(_headed_list, _LITERAL_MARKER.sub(":", _ROLE.sub(role, text)))
+    text = _HEADED_LIST.sub(_headed_list, _LITERAL_MARKER.sub(":", _ROLE.sub(role, text)))
+    return _spec_links(text, _ANCHORS) if "SPEC §" in text else text
+
+
+_ANCHORS = spec_anchors()
 
 
 class SphinxRoles(griffe.Extension):

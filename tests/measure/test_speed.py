@@ -6,13 +6,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
 
 import beaconkv
-from beaconkv.cli import build_parser
-from beaconkv.measure.speed.cli import run_bench
+from beaconkv.cli import build_parser, main
+from beaconkv.measure.speed import cli as speed_cli
+from beaconkv.measure.speed.cli import QUICK_COST, run_bench
 from beaconkv.measure.speed.machine import (
     PeakMemory,
     kv_bytes_per_token,
@@ -36,8 +38,14 @@ def llama(tiny_models):
     return beaconkv.load_model(tiny_models["llama"][0])
 
 
-def test_quick_bench_runs_end_to_end(tiny_models, tmp_path):
-    argv = ["bench", "--quick", "--model", str(tiny_models["llama"][0]), "--threads", "1", "--compile-backend",
+#: Small explicit sizes (what ``--quick`` used before it went eager): every section compiled, with aot_eager.
+SMALL_COMPILED = ["--dtypes", "fp32", "--batches", "1", "--new-tokens", "8", "--prompt-tokens", "16", "--repeats", "1",
+                  "--budget", "128", "--contexts", "64,128", "--curve-window", "16", "--policies", "beacon,snapkv",
+                  "--policy-cycles", "2", "--policy-dtype", "fp32"]
+
+
+def test_small_compiled_bench_runs_end_to_end(tiny_models, tmp_path):
+    argv = ["bench", *SMALL_COMPILED, "--model", str(tiny_models["llama"][0]), "--threads", "1", "--compile-backend",
             "aot_eager", "--no-transformers-compile", "--out", str(tmp_path)]
     args = build_parser().parse_args(argv)
     assert run_bench(args) == 0
@@ -48,7 +56,7 @@ def test_quick_bench_runs_end_to_end(tiny_models, tmp_path):
     assert [p["context"] for p in res["curve"]] == [64, 128]
     pol = {r["policy"]: r for r in res["policies"]}
     assert set(pol) == {"full", "beacon", "snapkv"}
-    # quick: budget 128 (an eviction every 16 steps), timed over 2 cycles after the first eviction
+    # budget 128 (an eviction every 16 steps), timed over 2 cycles after the first eviction
     assert pol["beacon"]["cache_capacity"] == 16 + 128 < pol["full"]["cache_capacity"] == 16 + 127 + 16 + 32 + 1
     assert pol["beacon"]["evictions"] == pol["beacon"]["compiled_evictions"] == 3 and pol["full"]["evictions"] == 0
     assert 0 < pol["beacon"]["eviction_share"] <= pol["beacon"]["policy_share"] < 1
@@ -142,3 +150,46 @@ def test_over_limit_batch_is_scaled_to_the_measured_per_sequence_memory():
     # always smaller than the batch that went over, never below 1
     assert smaller_batch({"peak_bytes": 1040 * MiB, "base_bytes": 0, "batch": 16}, 1024 * MiB) == 15
     assert smaller_batch({"peak_bytes": 3072 * MiB, "base_bytes": 900 * MiB, "batch": 2}, 1024 * MiB) == 1
+
+
+def test_bench_with_a_missing_model_fails_in_one_line_before_measuring(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(speed_cli, "streaming_bandwidth", lambda *a, **k: pytest.fail("measured before checking"))
+    out, missing = tmp_path / "out", tmp_path / "no-such-checkpoint"
+    rc = main(["bench", "--quick", "--model", str(missing), "--out", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("beaconkv bench: error: ") and str(missing) in lines[0] and "does not exist" in lines[0]
+    assert not out.exists()
+
+
+def test_quick_bench_runs_every_section_with_progress(tiny_models, tmp_path, capsys):
+    argv = ["bench", "--quick", "--model", str(tiny_models["llama"][0]), "--threads", "1", "--compile-backend",
+            "aot_eager", "--out", str(tmp_path)]
+    assert run_bench(build_parser().parse_args(argv)) == 0
+    res = json.loads((tmp_path / "bench.json").read_text())
+    s = res["settings"]
+    assert s["no_transformers_compile"] and s["eager_sections"] and s["budget"] == 32 and s["n_recent"] == 4
+    assert {r["impl"] for r in res["throughput"]} == {"beaconkv eager", "beaconkv compiled", "transformers eager"}
+    assert [p["context"] for p in res["curve"]] == [64, 96]
+    pol = {r["policy"]: r for r in res["policies"]}
+    assert set(pol) == {"full", "beacon", "snapkv"} and pol["beacon"]["cache_capacity"] == 16 + 32
+    assert pol["beacon"]["evictions"] > 0 and pol["beacon"]["compiled_evictions"] == 0  # eager sections
+    assert "--quick" in (tmp_path / "bench.md").read_text() and "eager" in (tmp_path / "bench.md").read_text()
+    log = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Loading weights" not in line]
+    assert [line for line in log if not re.match(r"\[\s*\d+s\] ", line)] == [], "every line carries the elapsed time"
+    started = [line for line in log if line.endswith("…")]
+    for what in ("beaconkv compiled", "BeaconKV(32) to 96 tokens", "context 64: FullKV", "beacon: 1 run(s)"):
+        assert any(what in line for line in started), f"{what!r} is not announced before it runs"
+
+
+def test_quick_help_states_its_measured_cost():
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["bench"].format_help().split())
+    assert QUICK_COST.split(" (")[0] in help_text
+
+
+def test_bench_budget_too_small_for_n_recent_fails_before_measuring(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(speed_cli, "streaming_bandwidth", lambda *a, **k: pytest.fail("measured before checking"))
+    rc = main(["bench", "--budget", "64", "--out", str(tmp_path / "out")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "budget=64" in lines[0] and "smaller n_recent" in lines[0]
+    assert not (tmp_path / "out").exists()

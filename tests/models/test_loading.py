@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import beaconkv
-from beaconkv.models import CheckpointError, ModelConfig, UnsupportedModelError, loading
+from beaconkv.models import CheckpointError, ConfigFileError, ModelConfig, UnsupportedModelError, loading
 
 from ..conftest import save_tiny_model
 
@@ -133,3 +134,44 @@ def test_no_second_copy_of_weights(tiny_models):
     m = beaconkv.load_model(tiny_models["llama"][0])
     assert all(p.device.type == "cpu" and not p.is_meta for p in m.parameters())
     assert loading.resolve_dtype(None) is torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float64, torch.int8, "float8"])
+def test_unsupported_dtypes_are_rejected_before_reading_weights(ckpt, monkeypatch, dtype):
+    monkeypatch.setattr(loading, "safe_open", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(ValueError, match=r"dtype=.*not supported.*float32, bfloat16 or float16"):
+        beaconkv.load_model(ckpt, dtype=dtype)
+
+
+def test_broken_config_json_names_the_file(ckpt):
+    (ckpt / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 64,')
+    with pytest.raises(ConfigFileError, match=rf"{re.escape(str(ckpt / 'config.json'))} is not valid JSON \(line 1"):
+        beaconkv.load_model(ckpt)
+
+
+def test_config_without_a_required_key_names_it_and_the_file(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigFileError, match=r"config.json: the qwen2 config lacks integer values for num_hidden_la"):
+        beaconkv.load_model(ckpt)
+
+
+def test_broken_shard_index_names_the_file(tiny_models, tmp_path):
+    tiny_models["llama"][1].save_pretrained(tmp_path, max_shard_size="20KB")
+    (tmp_path / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not a valid safetensors index"):
+        beaconkv.load_model(tmp_path)
+
+
+def test_offline_hub_id_says_why_and_what_to_do(monkeypatch):
+    def offline(repo_id, allow_patterns):
+        raise OSError("Cannot find an appropriate cached snapshot folder\nfor the specified revision")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", offline)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match=r"'someone/nonexistent-model' is not a local dir.*HF_HUB_OFFLINE"):
+        beaconkv.load_model("someone/nonexistent-model")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(FileNotFoundError, match=r"neither a local directory nor a downloadable hub repo .*repo id"):
+        beaconkv.load_model("someone/nonexistent-model")

@@ -1,4 +1,10 @@
-"""``beaconkv bench``: the command line of the speed benchmark (sections, quick mode, outputs)."""
+"""``beaconkv bench``: the command line of the speed benchmark (sections, quick mode, outputs).
+
+Every log line carries the seconds elapsed since the start, and every long step (a compile, a
+policy's run, a context of the cost curve) is announced before it starts, so a long run never
+goes silent. ``--quick`` is a smoke run of every default section at tiny sizes (see
+:data:`QUICK_COST`).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +22,8 @@ import torch
 from ...arguments import int_list, model_path, str_list
 from ...execution import CompileConfig
 from ...models.config import ModelConfig
-from ...models.loading import load_model
+from ...models.loading import load_model, resolve_checkpoint
+from ...policies.registry import make_policy
 from .curve import measure_cost_curve, plot_cost_curve
 from .machine import DTYPES, BenchError, cpu_name, streaming_bandwidth
 from .policies import DEFAULT_POLICIES, measure_policies
@@ -26,6 +33,11 @@ from .targets import evaluate_targets
 from .throughput import measure_throughput
 
 SECTIONS = ("throughput", "curve", "policies", "table4")
+
+#: What ``--quick`` costs, measured with ``time beaconkv bench --quick`` on this project's 2-core CPU
+#: (2 threads, the embedded model already converted): with inductor's on-disk cache filled by an
+#: earlier run, and with it empty (the one compile is then done from scratch).
+QUICK_COST = "about 40 s (75 s on a first run, while inductor compiles from scratch)"
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -46,7 +58,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but table4)")
     g.add_argument("--repeats", type=int, default=2, help="timed runs per figure; the best counts (default 2)")
     g.add_argument("--quick", action="store_true",
-                   help="a seconds-long smoke run: fp32, batch 1, few tokens, short curve, two policies, no table4")
+                   help=f"a smoke run of every default section at tiny sizes, {QUICK_COST}: fp32, batch 1, 8 "
+                        "tokens, one compile (beaconkv's decode step; transformers' static compile skipped), curve "
+                        "and policies eager at budget 32 (n_recent 4), two policies, no table4; its figures only "
+                        "show that everything runs")
     t = parser.add_argument_group("throughput")
     t.add_argument("--dtypes", type=str_list, default=["fp32", "bf16"], help="comma-separated (default fp32,bf16)")
     t.add_argument("--batches", type=int_list, default=[1, 8], help="comma-separated (default 1,8)")
@@ -61,6 +76,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="run the curve and policy sections eagerly instead of compiled")
     k = parser.add_argument_group("cost curve and policies")
     k.add_argument("--budget", type=int, default=256, help="budget of BeaconKV and the policies (default 256)")
+    k.add_argument("--n-recent", type=int, default=None,
+                   help="recent tokens the evicting policies keep (default: their own, 16, which needs --budget >= "
+                        "128: budget - floor(7/8 budget) must be >= n_recent)")
     k.add_argument("--contexts", type=int_list, default=[512, 1024, 2048, 4096],
                    help="context lengths of the cost curve (default 512,1024,2048,4096)")
     k.add_argument("--curve-window", type=int, default=64, help="steps averaged per curve point (default 64)")
@@ -78,12 +96,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def _apply_quick(args: argparse.Namespace) -> None:
+    """``--quick``: every default section at tiny sizes, with one compile (see :data:`QUICK_COST`)."""
     args.dtypes, args.batches = args.dtypes[:1] if args.dtypes != ["fp32", "bf16"] else ["fp32"], args.batches[:1]
     args.new_tokens, args.prompt_tokens, args.repeats = 8, 16, 1
-    args.budget, args.curve_window = 128, 16
-    args.contexts = [64, 128]
+    # budget 32 evicts every 4 steps (n_recent 4 fits), so a few dozen eager steps show the evictions
+    args.budget, args.n_recent, args.curve_window = 32, 4, 16
+    args.contexts = [64, 96]
     args.policies = [p for p in args.policies if p in ("beacon", "snapkv")] or ["beacon"]
     args.policy_cycles, args.policy_dtype = 2, "fp32"
+    args.no_transformers_compile, args.eager_sections = True, True
     args.sections = [s for s in args.sections if s != "table4"]
 
 
@@ -95,6 +116,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     Raises:
         BenchError: Unknown sections or dtypes, ``--repeats < 1`` (checked before anything loads).
+        beaconkv.policies.PolicyConfigError: An unknown policy, or a budget too small for ``n_recent``
+            (checked before anything loads).
+        FileNotFoundError: ``--model`` names no checkpoint (checked before anything runs).
     """
     t0 = time.perf_counter()
     if args.quick:
@@ -109,18 +133,26 @@ def run_bench(args: argparse.Namespace) -> int:
         raise BenchError(f"dtype {','.join(bad_dtypes)} unknown; choose from {','.join(DTYPES)}.")
     if args.repeats < 1:
         raise BenchError(f"--repeats={args.repeats} must be >= 1.")
+    if "curve" in args.sections or "policies" in args.sections:  # bad policy settings fail before anything runs
+        extra = {} if args.n_recent is None else {"n_recent": args.n_recent}
+        for name in {"beacon", *(args.policies if "policies" in args.sections else [])} - {"full"}:
+            make_policy(name, budget=args.budget, **extra)
     if args.threads is not None:
+        if args.threads < 1:
+            raise BenchError(f"--threads={args.threads} must be >= 1.")
         torch.set_num_threads(args.threads)
-    path = Path(model_path(args.model))
+    path = resolve_checkpoint(model_path(args.model))  # a missing model fails here, before anything runs
     compile_config = CompileConfig(backend=args.compile_backend, freezing=args.freezing or None)
     section_compile = None if args.eager_sections else compile_config
 
     def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+        print(f"[{time.perf_counter() - t0:5.0f}s] {msg}", file=sys.stderr, flush=True)
 
+    log("measuring the streaming bandwidth…")
     stream = streaming_bandwidth(device, nbytes=(1 << 28) if args.quick else (1 << 30))
     config = ModelConfig.from_file(path)
-    name = "SmolLM2-135M-Instruct (embedded)" if not args.model else path.name
+    name = "SmolLM2-135M-Instruct (embedded)" if args.model in (None, "embedded") else (
+        path.name if Path(args.model).expanduser().is_dir() else args.model)  # a hub id: not its cache folder
     params = sum(p.numel() for p in {id(p): p for p in load_model(path).parameters()}.values())
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
@@ -147,14 +179,14 @@ def run_bench(args: argparse.Namespace) -> int:
         if "curve" in args.sections:
             log("cost curve:")
             points = measure_cost_curve(model, args.contexts, args.budget, args.curve_window, args.prompt_tokens,
-                                        section_compile, args.repeats, log)
+                                        section_compile, args.repeats, log, n_recent=args.n_recent)
             results["curve"] = [asdict(p) for p in points]
             plot_cost_curve(points, args.budget, f"{name}, {args.policy_dtype}, batch 1, "
                             f"{'eager' if section_compile is None else 'compiled'}", args.out / "cost_curve.png")
         if "policies" in args.sections:
             log(f"policies at budget {args.budget}:")
             rows_p = measure_policies(model, args.policies, args.budget, args.policy_batch, args.prompt_tokens,
-                                      args.policy_cycles, section_compile, args.repeats, log)
+                                      args.policy_cycles, section_compile, args.repeats, log, n_recent=args.n_recent)
             results["policies"] = [asdict(r) for r in rows_p]
         del model
     if "table4" in args.sections:

@@ -20,6 +20,9 @@ def markdown_report(results: dict[str, Any]) -> str:
             f"**{m['stream_gbps']:.1f} GB/s**. Model: {results['model']['name']} "
             f"({results['model']['parameters'] / 1e6:.1f}M parameters). Best of {results['settings']['repeats']} runs."),
            ""]
+    if results["settings"].get("quick"):
+        out += ["*A `--quick` smoke run: tiny sizes, one run each, curve and policies eager; the figures show that "
+                "every section runs, not how fast it is.*", ""]
     if results.get("throughput"):
         s = results["settings"]
         out += [f"**Decode throughput** (FullKV, prompt {s['prompt_tokens']} + {s['new_tokens']} new tokens):", "",
@@ -34,7 +37,8 @@ def markdown_report(results: dict[str, Any]) -> str:
         out.append("")
     if results.get("curve"):
         budget = results["settings"]["budget"]
-        out += ["**Cost curve** (batch 1, compiled; FullKV's cache sized to the context):", "",
+        mode = "eager" if results["settings"].get("eager_sections") else "compiled"
+        out += [f"**Cost curve** (batch 1, {mode}; FullKV's cache sized to the context):", "",
                 f"| context | FullKV ms/step | BeaconKV({budget}) ms/step |", "|---:|---:|---:|"]
         out += [f"| {p['context']} | {_fmt(p['full_ms'])} | {_fmt(p['beacon_ms'])} |" for p in results["curve"]]
         out.append("")

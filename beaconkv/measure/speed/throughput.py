@@ -136,6 +136,7 @@ def measure_throughput(
         model = load_model(model_path, dtype=dtype, device=device)
         hf_model = None
         if hf:
+            log(f"  loading the transformers model ({dname})…")
             try:
                 hf_model = load_hf_model(model_path, dtype, device)
             except (ImportError, OSError, ValueError) as err:  # transformers missing or cannot read the checkpoint
@@ -148,6 +149,9 @@ def measure_throughput(
             static_bytes = weights + batch * (prompt_tokens + new_tokens) * per_token_kv
             mean_len = prompt_tokens + (new_tokens + 1) / 2  # a growing cache, on average over the run
             for impl in impls:
+                compiles = impl in ("beaconkv compiled", "transformers static+compile")
+                log(f"  {impl:28s} {dname} batch {batch}: {repeats + 1} run(s) of {new_tokens} steps"
+                    + (" (the first compiles)" if compiles else "") + "…")
                 row = ThroughputRow(impl, dname, batch)
                 nbytes = weights + int(batch * mean_len * per_token_kv) if impl == "transformers eager" else static_bytes
                 try:
