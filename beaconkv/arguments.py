@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from .models.cpu_linear import KERNELS
 from .models.embedded import embedded_model_path
 from .storage import storage_names
 
@@ -46,6 +47,13 @@ def add_kv_storage_argument(parser: argparse.ArgumentParser | argparse._Argument
     """``--kv-storage {dense,int8}``: how the KV cache holds keys and values."""
     parser.add_argument("--kv-storage", default="dense", choices=storage_names(),
                         help="KV cache storage: dense (default) or int8 (per-token, per-KV-head scales)")
+
+
+def add_kernels_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--kernels {auto,model,packed}``: the matmul kernels of the decode steps."""
+    parser.add_argument("--kernels", default="auto", choices=KERNELS,
+                        help="matmul kernels: auto (default: oneDNN-prepacked fp32 linears when 4+ sequences decode "
+                             "together on a CPU without native bf16), model (the model's own) or packed")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, device: bool = True) -> None:

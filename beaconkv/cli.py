@@ -27,6 +27,7 @@ import torch
 
 from . import __version__
 from .arguments import (
+    add_kernels_argument,
     add_kv_storage_argument,
     add_model_arguments,
     model_path,
@@ -124,6 +125,7 @@ def _generation_arguments(p: argparse.ArgumentParser, default_tokens: int, *, de
                    help="torch.compile backend of --compile (default inductor; aot_eager traces without generating "
                         "code: it checks that a model compiles, at eager speed)")
     add_kv_storage_argument(p)
+    add_kernels_argument(p)
     if demo:
         add_policy_arguments(p, DEMO_DEFAULTS["policy"], DEMO_DEFAULTS["budget"], DEMO_DEFAULTS["n_recent"])
     else:
@@ -177,6 +179,7 @@ def run_generation(args: argparse.Namespace, prompts: list[str]) -> int:
         model, tok, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, policy=policy, chat=not args.raw, stream=stream,
         eos_token_ids=[] if args.ignore_eos else None, kv_storage=args.kv_storage, compile=_compile_setting(args),
+        kernels=args.kernels,
     )
     if single:
         print()
@@ -261,6 +264,7 @@ def _demo_generation(model: CausalLM, tok: Tokenizer, args: argparse.Namespace, 
         model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, policy=policy, chat=not args.raw, stream=stream, on_step=on_step,
         eos_token_ids=[] if args.ignore_eos else None, kv_storage=args.kv_storage, compile=_compile_setting(args),
+        kernels=args.kernels,
     )
     if show:
         print(flush=True)

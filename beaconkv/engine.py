@@ -192,6 +192,9 @@ class Engine:
             positions a request may reach).
         kv_storage: ``"dense"``, ``"int8"`` or a :class:`~beaconkv.storage.KVStorage` class.
         cache_dtype: Dtype a dense storage keeps keys and values in (None: the model's).
+        kernels: Matmul kernels of the pool's steps: ``"auto"``, ``"model"`` or ``"packed"`` (see
+            :func:`~beaconkv.models.cpu_linear.choose_kernels`; ``"auto"`` prepacks fp32 linears for
+            pools of 4+ slots on a CPU without native bfloat16, where that makes batching pay).
         compile: Compile the decode step and the policy's device work.
         max_queue: Most waiting requests before :meth:`submit` raises :class:`QueueFullError` (None: no limit).
         seed: Seeds the generators of requests submitted without a seed (request ``i`` gets ``seed + i``).
@@ -213,6 +216,7 @@ class Engine:
         max_new_tokens: int = 1024,
         kv_storage: str | type[KVStorage] = "dense",
         cache_dtype: torch.dtype | None = None,
+        kernels: str = "auto",
         compile: bool | CompileConfig = False,
         max_queue: int | None = None,
         seed: int = 0,
@@ -233,7 +237,7 @@ class Engine:
             model, self.policy, batch=max_batch,
             capacity=self.policy.capacity([prompt_capacity], max_new_tokens),
             max_tokens=prompt_capacity + max_new_tokens, kv_storage=kv_storage, cache_dtype=cache_dtype,
-            compile=compile,
+            compile=compile, kernels=kernels,
         )
         self.device = self.session.device
         self.max_queue, self.on_step = max_queue, on_step

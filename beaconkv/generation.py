@@ -66,6 +66,7 @@ class GenerationStats:
         compiled: Whether the decode step ran compiled.
         compiled_evictions: Evictions that ran as compiled graphs.
         max_batch: Slots of the pool (sequences decoded together).
+        kernels: The matmul kernels that ran (``"model"`` or ``"packed"``, see ``generate(kernels=...)``).
     """
 
     prompt_tokens: list[int]
@@ -82,6 +83,7 @@ class GenerationStats:
     compiled: bool = False
     compiled_evictions: int = 0
     max_batch: int = 1
+    kernels: str = "model"
 
     @property
     def tokens_per_s(self) -> float:
@@ -226,6 +228,7 @@ def generate(
     on_step: Callable[[int, Session], None] | None = None,
     max_batch: int | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    kernels: str = "auto",
 ) -> GenerationOutput:
     """Generates continuations for a batch of prompts.
 
@@ -267,6 +270,9 @@ def generate(
             :class:`beaconkv.measure.speed.timing.StepRecorder`).
         max_batch: Sequences decoded at once (default: all prompts). With more prompts, a finished
             sequence's slot is taken by the next prompt (continuous batching).
+        kernels: Matmul kernels: ``"auto"`` (default; oneDNN-prepacked fp32 linears when 4+ sequences
+            decode together on a CPU without native bfloat16, see
+            :func:`~beaconkv.models.cpu_linear.choose_kernels`), ``"model"`` or ``"packed"``.
         chat_template_kwargs: Options of the chat template, e.g. ``{"enable_thinking": False}`` for Qwen3.
 
     Returns:
@@ -308,7 +314,7 @@ def generate(
         engine = Engine(
             model, tokenizer, policy=policy, max_batch=min(max_batch or len(ids), len(ids)),
             prompt_capacity=max(lengths), max_new_tokens=capacity, kv_storage=kv_storage, cache_dtype=cache_dtype,
-            compile=compile, seed=0 if seed is None else seed, on_step=on_step,
+            compile=compile, seed=0 if seed is None else seed, on_step=on_step, kernels=kernels,
         )
         eos = list(eos_token_ids) if eos_token_ids is not None else None
         requests = [Request(p, max_new_tokens, params, eos_token_ids=eos, stop=stop_strings,
@@ -327,6 +333,7 @@ def generate(
         decode_steps=engine.stats.steps, eviction_s=st.stats.eviction_seconds, policy_s=engine.session.policy_s,
         compiled=engine.session.compiled,
         compiled_evictions=st.stats.eviction_calls if st.executor.compiled else 0, max_batch=engine.max_batch,
+        kernels=engine.session.kernels.kernels,
     )
     texts = [c.text for c in done] if tokenizer is not None else [""] * len(done)
     reasons = [c.finish_reason for c in done]

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .cache import KVCache
 from .execution import CompileConfig, make_executor
+from .models.cpu_linear import choose_kernels
 from .models.decoder import CausalLM
 from .policies.base import EvictionPolicy, FullKV
 from .sampling import RowSampling, sample_rows
@@ -88,8 +89,14 @@ class Session:
             ``attention_hook`` even if the policy does not observe them (measurement).
         query_window: Keep at least this many pre-RoPE queries per head in the cache's ring
             (measurement; the policy's own need is always met).
+        kernels: The matmul kernels: ``"auto"`` (oneDNN-prepacked fp32 linears for 4+ rows on a CPU
+            without native bfloat16, else the model's own; see
+            :func:`~beaconkv.models.cpu_linear.choose_kernels`), ``"model"`` or ``"packed"``. A packed
+            session keeps its dense cache in the caller's model dtype unless ``cache_dtype`` says otherwise.
 
     Attributes:
+        model: The model the session runs (the caller's, or its prepacked copy).
+        kernels: The :class:`~beaconkv.models.cpu_linear.KernelChoice` made.
         cache: The cache.
         state: The policy's state.
         positions: ``(batch,)`` the position each row's next token takes.
@@ -109,8 +116,13 @@ class Session:
         compile: bool | CompileConfig = False,
         observe_attention: bool = False,
         query_window: int = 0,
+        kernels: str = "auto",
     ) -> None:
         cfg = model.config
+        self.kernels = choose_kernels(model, batch, kernels)
+        if self.kernels.model is not model and cache_dtype is None and kv_storage == "dense":
+            cache_dtype = model.dtype  # the cache the caller sized: fp32 compute does not double it
+        model = self.kernels.model
         self.model = model
         self.policy = policy if policy is not None else FullKV()
         self.device = model.device

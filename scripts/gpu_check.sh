@@ -6,7 +6,9 @@
 #   2. compiled decode with CUDA graphs on the embedded SmolLM2-135M (bf16, batch 8): FullKV and
 #      BeaconKV(128), eager vs compiled ms/step and token agreement;
 #   3. the Table-4-style run: a Qwen3-4B-shaped random-weight model in bf16, batch 16, caches sized
-#      for a 32K-token generation, FullKV vs BeaconKV(2048).
+#      for a 32K-token generation, FullKV vs BeaconKV(2048);
+#   4. the engine section of the bench on the same Qwen3-4B shape: continuous batching vs static
+#      batches, BeaconKV vs FullKV under one KV-memory limit (32 requests of 64..1024 new tokens).
 # Usage: scripts/gpu_check.sh [output dir]   (default: $OUT or results/gpu_check)
 # Each stage has its own time limit; a failing stage is reported and the next one still runs.
 set -u
@@ -58,10 +60,15 @@ PYEOF
 stage table4_qwen3_4b_batch16 300 "$PY" -m beaconkv.measure.table4 --model qwen3-4b --dtype bf16 --batch 16 \
   --generation-tokens 32768 --budget 2048 --cycles 1 --device cuda --out "$OUT_DIR/table4"
 
+stage engine_qwen3_4b 300 "$PY" -m beaconkv.measure.speed --sections engine --device cuda --engine-model qwen3-4b \
+  --engine-requests 32 --engine-min-new 64 --engine-max-new 1024 --engine-prompt-tokens 256 --engine-budget 256 \
+  --engine-full-slots 8 --engine-max-slots 64 --out "$OUT_DIR/engine"
+
 echo
 echo "================ GPU check summary ($(cat "$OUT_DIR/device.txt" | head -1)) ================"
 for line in "${SUMMARY[@]}"; do echo "  $line"; done
 grep -E "passed|failed|error" "$OUT_DIR/parity_and_compile_tests.log" | tail -n 1 | sed 's/^/  tests: /'
 grep -E "^(FullKV|BeaconKV)" "$OUT_DIR/cuda_graph_decode.log" | sed 's/^/  decode: /'
 [ -f "$OUT_DIR/table4/table4.md" ] && sed 's/^/  /' "$OUT_DIR/table4/table4.md"
+[ -f "$OUT_DIR/engine/bench.md" ] && grep -E "^\| (engine|static|target|.*engine section)" "$OUT_DIR/engine/bench.md" | sed 's/^/  /'
 echo "  total $(( $(date +%s) - START ))s; logs in $OUT_DIR"

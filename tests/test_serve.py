@@ -443,3 +443,11 @@ def test_serve_rejects_limits_beyond_the_model_and_a_busy_port(capsys):
         assert time.monotonic() - t0 < 10  # refused before the model loads
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("beaconkv serve: error: cannot listen on 127.0.0.1:") and "--port" in err[0]
+
+
+def test_non_finite_temperature_gets_400(http):
+    # JSON has no NaN, but Python's json (and so a careless client) writes one and the server's parser reads it
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}' % NAME
+    r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "temperature" and "finite" in r.json()["error"]["message"]

@@ -272,12 +272,6 @@ def load_backend(model: str, *, device: str, dtype: torch.dtype | str) -> Genera
         FileNotFoundError: The checkpoint folder does not exist or the hub id cannot be resolved.
     """
     path = model_path(model)
-    try:
-        loaded = load_model(path, dtype=dtype, device=device)
-    except FileNotFoundError as err:
-        raise FileNotFoundError(
-            f"{err} Fix: --model takes a checkpoint folder holding config.json, a hub model id "
-            f"(owner/name) or 'embedded'."
-        ) from err
+    loaded = load_model(path, dtype=dtype, device=device)  # its errors name the path and the fix
     tokenizer = load_tokenizer(path)
     return GenerationBackend(tokenizer, functools.partial(make_core_engine, loaded, tokenizer))

@@ -15,6 +15,9 @@ kernel inside the fullgraph decode step.
 from __future__ import annotations
 
 import copy
+import os
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -113,3 +116,99 @@ def _copy_tree(module: nn.Module, batch_hint: int, dtype: torch.dtype, seen: dic
                           for name, child in module._modules.items()}
     seen[id(module)] = clone
     return clone
+
+
+# ----------------------------------------------------------------------------------- the choice
+#: The values of ``kernels`` (``generate``, :class:`~beaconkv.engine.Engine`, ``--kernels``).
+KERNELS = ("auto", "model", "packed")
+
+#: ``kernels="auto"`` packs from this many rows per decode step on (see :func:`choose_kernels`).
+PACK_MIN_ROWS = 4
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The model a decode session runs, and why.
+
+    Attributes:
+        model: The model to run (the caller's, or its prepacked fp32 copy).
+        kernels: ``"model"`` or ``"packed"``.
+        reason: One sentence: what was chosen and why.
+    """
+
+    model: CausalLM
+    kernels: str
+    reason: str
+
+
+_PACKED: weakref.WeakKeyDictionary[CausalLM, tuple[tuple[int, ...], CausalLM]] = weakref.WeakKeyDictionary()
+
+
+def packed_copy(model: CausalLM) -> CausalLM:
+    """The fp32 prepacked copy of ``model``, made once and reused while the model's weights are unchanged.
+
+    The copy is kept (weakly, with the model) so that successive ``generate`` calls reuse it — and with
+    it their compiled decode step. It is remade when a weight of the model was changed in place
+    (every parameter's version counter is compared).
+    """
+    versions = tuple(p._version for p in model.parameters())
+    hit = _PACKED.get(model)
+    if hit is not None and hit[0] == versions:
+        return hit[1]
+    packed = prepack(model, dtype=torch.float32)  # the hint 8 serves 1-16 rows best (a hint of 16 is slower at 16)
+    _PACKED[model] = (versions, packed)
+    return packed
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: no guard
+        return 1 << 62
+
+
+def _is_packed(model: CausalLM) -> bool:
+    return any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def choose_kernels(model: CausalLM, rows: int, kernels: str = "auto") -> KernelChoice:
+    """Picks the matmul kernels of a decode session with ``rows`` rows per step.
+
+    ``"auto"`` packs (:func:`prepack`, fp32) when all of these hold, and otherwise runs the model as it is:
+
+    * the model is on the CPU and this PyTorch has oneDNN packing;
+    * the CPU has no native bfloat16 (AVX2 without AVX-512-BF16/AMX): there a bf16 matmul of ``rows``
+      rows costs about ``rows`` times one row, while a prepacked fp32 one streams the weights once;
+    * ``rows >= PACK_MIN_ROWS``: at 1-3 rows the bf16 (or fp32 gemv) step reading half the bytes is
+      as fast or faster — on this project's 2-core AVX2 CPU, batch 1: bf16 46.9 tok/s vs packed fp32
+      19.5; batch 8: packed fp32 88.5 tok/s vs bf16 53.3 (``docs/benchmarks.md``, batching on the CPU);
+    * the fp32 copy of the weights takes at most a quarter of the machine's memory.
+
+    Args:
+        model: The caller's model.
+        rows: Rows each decode step runs (the batch, or the engine's slot pool).
+        kernels: ``"auto"``, ``"model"`` (never pack) or ``"packed"`` (always, on a CPU).
+
+    Raises:
+        ValueError: An unknown ``kernels``.
+        PackingError: ``"packed"`` where packing is impossible.
+    """
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r} is unknown; choose one of {', '.join(KERNELS)}.")
+    if kernels == "model" or _is_packed(model):
+        return KernelChoice(model, "model", "the model's own kernels" + (" (already packed)" if kernels != "model"
+                                                                          and _is_packed(model) else ""))
+    if kernels == "packed":
+        return KernelChoice(packed_copy(model), "packed", "oneDNN-prepacked fp32 linears, as asked")
+    if model.device.type != "cpu" or not packing_available():
+        return KernelChoice(model, "model", f"the model's own kernels on {model.device.type}")
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return KernelChoice(model, "model", "this CPU has native bfloat16 matmuls")
+    if rows < PACK_MIN_ROWS:
+        return KernelChoice(model, "model", f"{rows} row(s) per step: the model's kernels read fewer bytes")
+    fp32_bytes = 4 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    if fp32_bytes > _ram_bytes() // 4:
+        return KernelChoice(model, "model", f"an fp32 copy of the linears ({fp32_bytes / 2**30:.1f} GiB) would "
+                                            "take more than a quarter of this machine's memory")
+    return KernelChoice(packed_copy(model), "packed",
+                        f"{rows} rows per step on a CPU without native bfloat16: oneDNN-prepacked fp32 linears")

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..arguments import (
+    add_kernels_argument,
     add_kv_storage_argument,
     add_model_arguments,
     model_path,
@@ -76,6 +77,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     m.add_argument("--compile", action="store_true",
                    help="compile the decode step and the policy's work (the first request pays for it)")
     add_kv_storage_argument(m)
+    add_kernels_argument(m)
     p = parser.add_argument_group("eviction policy")
     p.add_argument("--policy", default="beacon", help=f"registry name: {', '.join(policy_names())} (default beacon)")
     p.add_argument("--budget", type=int, default=1024,
@@ -204,7 +206,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model = load_model(directory, dtype=args.dtype, device=args.device)
         tokenizer = load_tokenizer(directory)
         engine = Engine(model, tokenizer, policy=policy, max_batch=args.max_batch, prompt_capacity=args.prompt_capacity,
-                        max_new_tokens=args.max_new_tokens, kv_storage=args.kv_storage,
+                        max_new_tokens=args.max_new_tokens, kv_storage=args.kv_storage, kernels=args.kernels,
                         compile=CompileConfig() if args.compile else False, max_queue=args.max_queue, seed=args.seed)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host

@@ -15,6 +15,8 @@ clients send many.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -191,9 +193,9 @@ def _sampling(body: SamplingFields) -> SamplingParams:
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     top_k = 0 if body.top_k in (None, -1) else body.top_k
-    if temperature < 0:
-        raise APIError(f"temperature={temperature} must be >= 0 (0 = greedy).", param="temperature")
-    if not 0 < top_p <= 1:
+    if not math.isfinite(temperature) or temperature < 0:
+        raise APIError(f"temperature={temperature} must be a finite number >= 0 (0 = greedy).", param="temperature")
+    if not 0 < top_p <= 1:  # false for NaN too
         raise APIError(f"top_p={top_p} must lie in (0, 1]; 1 keeps every token.", param="top_p")
     if top_k < 0:
         raise APIError(f"top_k={top_k} must be >= 0 (0 or -1 = off).", param="top_k")

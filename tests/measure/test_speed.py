@@ -193,3 +193,46 @@ def test_bench_budget_too_small_for_n_recent_fails_before_measuring(tmp_path, ca
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "budget=64" in lines[0] and "smaller n_recent" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------ engine
+def test_engine_workload_follows_the_traces_and_fits_the_memory_limit():
+    from beaconkv.measure.speed.engine_bench import slots_for, trace_lengths, workload_lengths
+
+    lengths = workload_lengths(200, 32, 512)
+    assert len(lengths) == 200 and min(lengths) >= 32 and max(lengths) <= 512
+    base = sorted(trace_lengths())
+    # the median request is the traces' median scaled to 512 / longest trace (jitter within +-20%)
+    scaled = base[len(base) // 2] * 512 / base[-1]
+    assert 0.6 * scaled <= sorted(lengths)[100] <= 1.4 * scaled
+    assert slots_for(10_000, 100, 10, most=64) == 10 and slots_for(10_000, 100, 10, most=4) == 4
+    assert slots_for(10, 100, 10, most=4) == 1
+
+
+def test_engine_modes_serve_every_request_and_static_batches_idle(llama):
+    from beaconkv.measure.speed.engine_bench import engine_targets, markdown_engine, run_engine_mode
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 9, 7, 6, 8)]
+    lengths = [3, 20, 4, 18, 5]
+    rows = [run_engine_mode(llama, None, name, budget, prompts, lengths, 2, static, None)
+            for name, budget in (("full", None), ("beacon", 8)) for static in (False, True)]
+    for r in rows:
+        assert (r.requests, r.new_tokens, r.slots) == (5, sum(lengths), 2)
+        assert 0 < r.utilisation <= 1 and r.ttft_mean_s > 0 and r.tokens_per_s > 0
+    engine, static = rows[0], rows[1]
+    # a static batch waits for its longest request: slots idle while 3 and 4 tokens wait for 20
+    assert engine.utilisation > static.utilisation
+    assert rows[2].evictions > 0 and rows[0].evictions == 0
+    ratios = engine_targets(rows)
+    assert set(ratios) == {"engine / static (full)", "engine / static (beacon)",
+                           "BeaconKV / FullKV (engine, equal memory)"}
+    table = markdown_engine(rows, {"requests": 5, "lengths": lengths, "memory_limit_bytes": 2**20})
+    assert table.count("\n| engine |") == 2 and "| static | beacon (8) | 2 |" in table
+
+
+def test_engine_section_settings_fail_before_anything_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(speed_cli, "streaming_bandwidth", lambda *a, **k: pytest.fail("measured before checking"))
+    rc = main(["bench", "--sections", "engine", "--engine-min-new", "600", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--engine-min-new=600 exceeds --engine-max-new=512" in err[0]

@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 import beaconkv
 from beaconkv.models import CheckpointError, ConfigFileError, ModelConfig, UnsupportedModelError, loading
 
-from ..conftest import save_tiny_model
 
 
 @pytest.fixture()

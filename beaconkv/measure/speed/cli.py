@@ -25,6 +25,7 @@ from ...models.config import ModelConfig
 from ...models.loading import load_model, resolve_checkpoint
 from ...policies.registry import make_policy
 from .curve import measure_cost_curve, plot_cost_curve
+from .engine_bench import EngineRow, add_engine_arguments, check_engine_arguments, markdown_engine, run_engine_section
 from .machine import DTYPES, BenchError, cpu_name, streaming_bandwidth
 from .policies import DEFAULT_POLICIES, measure_policies
 from .report import markdown_report
@@ -32,7 +33,7 @@ from .table4 import add_table4_arguments, run_table4_section
 from .targets import evaluate_targets
 from .throughput import measure_throughput
 
-SECTIONS = ("throughput", "curve", "policies", "table4")
+SECTIONS = ("throughput", "curve", "policies", "table4", "engine")
 
 #: What ``--quick`` costs, measured with ``time beaconkv bench --quick`` on this project's 2-core CPU
 #: (2 threads, the embedded model already converted): with inductor's on-disk cache filled by an
@@ -55,7 +56,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--sections", type=str_list, default=["throughput", "curve", "policies"],
-                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but table4)")
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but table4 and engine)")
     g.add_argument("--repeats", type=int, default=2, help="timed runs per figure; the best counts (default 2)")
     g.add_argument("--quick", action="store_true",
                    help=f"a smoke run of every default section at tiny sizes, {QUICK_COST}: fp32, batch 1, 8 "
@@ -91,6 +92,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="dtype of the curve and policy sections (default: bf16 on CUDA, fp32 on CPU, where bf16 "
                         "prefill of 4K-token prompts takes minutes)")
     add_table4_arguments(parser.add_argument_group("table 4 (--sections ...,table4)"), prefix="table4-")
+    add_engine_arguments(parser.add_argument_group(
+        "engine: continuous batching vs static batches, BeaconKV vs FullKV at equal KV memory (--sections ...,engine)"))
     parser.add_argument("--out", type=Path, default=Path("results/bench"), help="output directory (default results/bench)")
     return parser
 
@@ -105,7 +108,7 @@ def _apply_quick(args: argparse.Namespace) -> None:
     args.policies = [p for p in args.policies if p in ("beacon", "snapkv")] or ["beacon"]
     args.policy_cycles, args.policy_dtype = 2, "fp32"
     args.no_transformers_compile, args.eager_sections = True, True
-    args.sections = [s for s in args.sections if s != "table4"]
+    args.sections = [s for s in args.sections if s not in ("table4", "engine")]
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -133,6 +136,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise BenchError(f"dtype {','.join(bad_dtypes)} unknown; choose from {','.join(DTYPES)}.")
     if args.repeats < 1:
         raise BenchError(f"--repeats={args.repeats} must be >= 1.")
+    if "engine" in args.sections:
+        check_engine_arguments(args)
     if "curve" in args.sections or "policies" in args.sections:  # bad policy settings fail before anything runs
         extra = {} if args.n_recent is None else {"n_recent": args.n_recent}
         for name in {"beacon", *(args.policies if "policies" in args.sections else [])} - {"full"}:
@@ -192,10 +197,16 @@ def run_bench(args: argparse.Namespace) -> int:
     if "table4" in args.sections:
         log("table 4:")
         results["table4"] = run_table4_section(args, device, compile_config, log, prefix="table4_")
+    if "engine" in args.sections:
+        log("engine (continuous batching):")
+        results["engine"] = run_engine_section(args, path, device, compile_config, log)
     results["targets"] = [asdict(t) for t in evaluate_targets(results)]
     results["wall_time_s"] = time.perf_counter() - t0
     (args.out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
     report = markdown_report(results)
+    if "engine" in results:
+        from_rows = [EngineRow(**r) for r in results["engine"]["rows"]]
+        report += "\n\n" + markdown_engine(from_rows, results["engine"]["workload"])
     (args.out / "bench.md").write_text(report + "\n")
     print(report)
     log(f"wrote {args.out}/bench.json, bench.md" + (", cost_curve.png" if "curve" in results else "")

@@ -26,13 +26,14 @@ def markdown_report(results: dict[str, Any]) -> str:
     if results.get("throughput"):
         s = results["settings"]
         out += [f"**Decode throughput** (FullKV, prompt {s['prompt_tokens']} + {s['new_tokens']} new tokens):", "",
-                "| implementation | dtype | batch | ms/step | tokens/s | GB/s | roofline |",
+                "| implementation | dtype (kernels) | batch | ms/step | tokens/s | GB/s | roofline |",
                 "|---|---|---:|---:|---:|---:|---:|"]
         for r in results["throughput"]:
             if r["error"]:
                 out.append(f"| {r['impl']} | {r['dtype']} | {r['batch']} | — | — | — | {r['error'][:60]} |")
             else:
-                out.append(f"| {r['impl']} | {r['dtype']} | {r['batch']} | {_fmt(r['ms_per_step'])} | "
+                kind = f"{r['dtype']} → packed fp32" if r.get("kernels") == "packed" else r["dtype"]
+                out.append(f"| {r['impl']} | {kind} | {r['batch']} | {_fmt(r['ms_per_step'])} | "
                            f"{_fmt(r['tokens_per_s'])} | {_fmt(r['gb_per_s'], 2)} | {100 * r['roofline']:.0f}% |")
         out.append("")
     if results.get("curve"):

@@ -41,6 +41,8 @@ class ThroughputRow:
         bytes_per_step: Weight + KV bytes a step reads.
         gb_per_s: Achieved bandwidth.
         roofline: ``gb_per_s`` / the measured streaming bandwidth.
+        kernels: The matmul kernels beaconkv chose (``"model"`` or ``"packed"``: oneDNN-prepacked fp32
+            linears, see :func:`~beaconkv.models.cpu_linear.choose_kernels`); ``"model"`` for transformers.
         error: Why the implementation could not run (then the figures are NaN).
     """
 
@@ -52,6 +54,7 @@ class ThroughputRow:
     bytes_per_step: int = 0
     gb_per_s: float = math.nan
     roofline: float = math.nan
+    kernels: str = "model"
     error: str = ""
 
     def fill(self, ms: float, nbytes: int, stream_gbps: float) -> ThroughputRow:
@@ -107,14 +110,15 @@ def hf_ms_per_step(hf_model: Any, prompts: list[list[int]], new_tokens: int, sta
 
 
 def _time_impl(impl: str, model: CausalLM, hf_model: Any, prompts: list[list[int]], new_tokens: int,
-               compile_config: CompileConfig, repeats: int) -> float:
-    """Best decode ms/step of one implementation after one untimed run (which compiles, warms caches)."""
+               compile_config: CompileConfig, repeats: int) -> tuple[float, str]:
+    """Best decode ms/step of one implementation after one untimed run (which compiles, warms caches),
+    and the kernels it ran (beaconkv's automatic choice for the batch)."""
     if impl.startswith("beaconkv"):
         cc = compile_config if impl == "beaconkv compiled" else None
-        runs = [decode_ms_per_step(generate_ids(model, prompts, new_tokens, None, cc)) for _ in range(repeats + 1)]
-    else:
-        runs = [hf_ms_per_step(hf_model, prompts, new_tokens, impl != "transformers eager") for _ in range(repeats + 1)]
-    return min(runs[1:])
+        outs = [generate_ids(model, prompts, new_tokens, None, cc) for _ in range(repeats + 1)]
+        return min(decode_ms_per_step(o) for o in outs[1:]), outs[-1].stats.kernels
+    runs = [hf_ms_per_step(hf_model, prompts, new_tokens, impl != "transformers eager") for _ in range(repeats + 1)]
+    return min(runs[1:]), "model"
 
 
 def measure_throughput(
@@ -155,12 +159,15 @@ def measure_throughput(
                 row = ThroughputRow(impl, dname, batch)
                 nbytes = weights + int(batch * mean_len * per_token_kv) if impl == "transformers eager" else static_bytes
                 try:
-                    row.fill(_time_impl(impl, model, hf_model, prompts, new_tokens, compile_config, repeats),
-                             nbytes, stream_gbps)
+                    ms, row.kernels = _time_impl(impl, model, hf_model, prompts, new_tokens, compile_config, repeats)
+                    if row.kernels == "packed":  # the packed copy reads fp32 weights
+                        nbytes += weights * (4 - model.dtype.itemsize) // model.dtype.itemsize
+                    row.fill(ms, nbytes, stream_gbps)
                 except Exception as err:  # noqa: BLE001 - one failing mode must not hide the others
                     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
                     row.error = f"{type(err).__name__}: {first[:200]}"
                 log(f"  {impl:28s} {dname} batch {batch}: " + (row.error or
-                    f"{row.ms_per_step:.1f} ms/step, {row.tokens_per_s:.1f} tok/s, {row.gb_per_s:.2f} GB/s"))
+                    f"{row.ms_per_step:.1f} ms/step, {row.tokens_per_s:.1f} tok/s, {row.gb_per_s:.2f} GB/s"
+                    + (" (packed fp32 linears)" if row.kernels == "packed" else "")))
                 rows.append(row)
     return rows

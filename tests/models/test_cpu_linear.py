@@ -1,0 +1,85 @@
+"""oneDNN-prepacked linears and the automatic choice of decode kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import beaconkv
+from beaconkv.models.cpu_linear import (
+    PACK_MIN_ROWS,
+    PackedLinear,
+    choose_kernels,
+    packed_copy,
+    packing_available,
+    prepack,
+)
+
+needs_packing = pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN packing")
+auto_packs = pytest.mark.skipif(
+    not packing_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="'auto' packs only on a CPU with oneDNN and without native bfloat16",
+)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return beaconkv.load_model(tiny_models["llama"][0], dtype=torch.float32)
+
+
+def _prompts(n: int, length: int = 6) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return torch.randint(3, 97, (n, length), generator=g).tolist()
+
+
+@needs_packing
+def test_a_packed_copy_computes_the_same_logits(llama):
+    packed = prepack(llama)
+    assert isinstance(packed.lm_head, PackedLinear) and not isinstance(llama.lm_head, PackedLinear)
+    ids = torch.tensor(_prompts(3))
+    torch.testing.assert_close(packed(ids), llama(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_choice_follows_the_rows_and_the_request(llama):
+    assert choose_kernels(llama, 1).model is llama  # one row: the model's own kernels, whatever the CPU
+    assert choose_kernels(llama, 64, "model").model is llama
+    with pytest.raises(ValueError, match="kernels='fast' is unknown; choose one of auto, model, packed"):
+        choose_kernels(llama, 8, "fast")
+
+
+@auto_packs
+def test_auto_packs_a_wide_batch_once_and_repacks_after_a_weight_changes(tiny_models):
+    model = beaconkv.load_model(tiny_models["llama"][0], dtype=torch.float32)
+    first = choose_kernels(model, PACK_MIN_ROWS)
+    assert first.kernels == "packed" and f"{PACK_MIN_ROWS} rows" in first.reason
+    assert choose_kernels(model, PACK_MIN_ROWS - 1).kernels == "model"
+    assert packed_copy(model) is first.model  # reused: the compiled step is reused with it
+    assert choose_kernels(first.model, 8).model is first.model  # a packed model is not packed again
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    again = packed_copy(model)
+    assert again is not first.model
+    ids = torch.tensor(_prompts(2))
+    torch.testing.assert_close(again(ids), model(ids), rtol=1e-4, atol=1e-4)
+
+
+@auto_packs
+def test_generate_packs_a_wide_batch_with_the_same_greedy_tokens_and_cache(llama):
+    prompts = _prompts(PACK_MIN_ROWS)
+    kw = dict(max_new_tokens=12, eos_token_ids=[], policy="beacon",
+              policy_args={"budget": 8, "n_recent": 1, "n_beacon": 2})
+    auto = beaconkv.generate(llama, None, prompts, **kw)
+    plain = beaconkv.generate(llama, None, prompts, kernels="model", **kw)
+    assert (auto.stats.kernels, plain.stats.kernels) == ("packed", "model")
+    assert auto.token_ids == plain.token_ids
+    assert auto.stats.evictions == plain.stats.evictions and min(auto.stats.evictions) > 0
+
+
+@auto_packs
+def test_a_packed_session_keeps_the_cache_in_the_callers_dtype(tiny_models):
+    bf16 = beaconkv.load_model(tiny_models["llama"][0], dtype=torch.bfloat16)
+    prompts = _prompts(PACK_MIN_ROWS)
+    auto = beaconkv.generate(bf16, None, prompts, max_new_tokens=4, eos_token_ids=[])
+    plain = beaconkv.generate(bf16, None, prompts, max_new_tokens=4, eos_token_ids=[], kernels="model")
+    assert auto.stats.kernels == "packed"
+    assert auto.stats.cache_bytes == plain.stats.cache_bytes
