@@ -41,7 +41,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[Target]:
     if ours and theirs:
         v = ours.tokens_per_s / theirs.tokens_per_s
         targets.append(Target(f"compiled / transformers eager tok/s (batch 1, {dtype})", v, ">= 1.5", v >= 1.5))
-    big = max((r.batch for r in thr if r.impl == "beaconkv compiled" and r.dtype == dtype and not r.error), default=1)
+    batches = {r.batch for r in thr if r.impl == "beaconkv compiled" and r.dtype == dtype and not r.error}
+    big = 8 if 8 in batches else max(batches, default=1)  # the target is stated at batch 8
     wide = find("beaconkv compiled", dtype, big)
     if ours and wide and big > 1:
         v = wide.tokens_per_s / ours.tokens_per_s
