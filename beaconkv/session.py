@@ -151,7 +151,7 @@ class Session:
             policy: The policy (None = FullKV).
             prompt_lengths: Prompt length of each row.
             new_tokens: Tokens each row may add.
-            **kwargs: ``kv_storage``, ``cache_dtype``, ``compile``, ``observe_attention``, ``query_window``
+            **kwargs: ``kv_storage``, ``cache_dtype``, ``compile``, ``observe_attention``, ``query_window``, ``kernels``
                 (see the class).
         """
         policy = policy if policy is not None else FullKV()

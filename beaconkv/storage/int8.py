@@ -29,11 +29,15 @@ SCALE_DTYPE = torch.float16
 def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric int8 quantisation of the last axis: ``(q int8 (..., D), scale float16 (...))``.
 
-    The scale is rounded to float16 first and the division uses the rounded scale, so that
-    ``q * scale`` is the best int8 reconstruction with the stored scale. An all-zero vector gets scale 0.
+    The scale is rounded *up* to float16 first (never below ``amax / 127``, so the largest entry is
+    not clipped — which matters where float16 is coarse: small, subnormal scales) and the division
+    uses the rounded scale, so that ``q * scale`` is within half a step of ``x`` with the stored
+    scale. An all-zero vector gets scale 0.
     """
     amax = x.detach().abs().amax(-1).float()
-    scale = (amax / QMAX).to(SCALE_DTYPE)
+    exact = amax / QMAX
+    scale = exact.to(SCALE_DTYPE)
+    scale = torch.where(scale.float() < exact, torch.nextafter(scale, scale.new_tensor(math.inf)), scale)
     inv = torch.where(scale > 0, 1.0 / scale.float().clamp_min(torch.finfo(torch.float32).tiny), 0.0)
     q = torch.round(x.float() * inv[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale

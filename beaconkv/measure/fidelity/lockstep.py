@@ -98,10 +98,12 @@ class LockStep:
                 f"prompt {max(self.lengths)} + {max_new_tokens} tokens exceeds max_position_embeddings="
                 f"{cfg.max_position_embeddings}; lower --tokens."
             )
+        # the kernels were chosen above (`packed`), once for every run: no session chooses its own
         reference = Session.for_prompts(model, FullKV(), self.lengths, max_new_tokens, cache_dtype=cache_dtype,
-                                        observe_attention=True, query_window=reference_query_window)
+                                        observe_attention=True, query_window=reference_query_window, kernels="model")
         self.sessions = [reference] + [
-            Session.for_prompts(model, p, self.lengths, max_new_tokens, cache_dtype=cache_dtype, kv_storage=kv_storage)
+            Session.for_prompts(model, p, self.lengths, max_new_tokens, cache_dtype=cache_dtype, kv_storage=kv_storage,
+                                kernels="model")
             for p in policies
         ]
         self._captured: list[Tensor | None] = [None] * cfg.num_hidden_layers
