@@ -50,10 +50,12 @@ def add_kv_storage_argument(parser: argparse.ArgumentParser | argparse._Argument
 
 
 def add_kernels_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--kernels {auto,model,packed}``: the matmul kernels of the decode steps."""
+    """``--kernels {auto,model,packed,bf16w}``: the matmul kernels of the decode steps."""
     parser.add_argument("--kernels", default="auto", choices=KERNELS,
-                        help="matmul kernels: auto (default: oneDNN-prepacked fp32 linears when 4+ sequences decode "
-                             "together on a CPU without native bf16), model (the model's own) or packed")
+                        help="matmul kernels: auto (default: when 4+ sequences decode together on a CPU without "
+                             "native bf16, bf16 weights with fp32 arithmetic (bf16w) for a bf16 model, "
+                             "oneDNN-prepacked fp32 linears (packed) otherwise), model (the model's own), packed "
+                             "or bf16w")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, device: bool = True) -> None:

@@ -192,9 +192,10 @@ class Engine:
             positions a request may reach).
         kv_storage: ``"dense"``, ``"int8"`` or a :class:`~beaconkv.storage.KVStorage` class.
         cache_dtype: Dtype a dense storage keeps keys and values in (None: the model's).
-        kernels: Matmul kernels of the pool's steps: ``"auto"``, ``"model"`` or ``"packed"`` (see
-            :func:`~beaconkv.models.cpu_linear.choose_kernels`; ``"auto"`` prepacks fp32 linears for
-            pools of 4+ slots on a CPU without native bfloat16, where that makes batching pay).
+        kernels: Matmul kernels of the pool's steps: ``"auto"``, ``"model"``, ``"packed"`` or ``"bf16w"``
+            (see :func:`~beaconkv.models.cpu_linear.choose_kernels`; for pools of 4+ slots on a CPU
+            without native bfloat16, ``"auto"`` runs a bf16 model's weights with fp32 arithmetic and
+            prepacks an fp32 model's linears, where that makes batching pay).
         compile: Compile the decode step and the policy's device work.
         max_queue: Most waiting requests before :meth:`submit` raises :class:`QueueFullError` (None: no limit).
         seed: Seeds the generators of requests submitted without a seed (request ``i`` gets ``seed + i``).

@@ -66,7 +66,7 @@ class GenerationStats:
         compiled: Whether the decode step ran compiled.
         compiled_evictions: Evictions that ran as compiled graphs.
         max_batch: Slots of the pool (sequences decoded together).
-        kernels: The matmul kernels that ran (``"model"`` or ``"packed"``, see ``generate(kernels=...)``).
+        kernels: The matmul kernels that ran (``"model"``, ``"packed"`` or ``"bf16w"``, see ``generate(kernels=...)``).
     """
 
     prompt_tokens: list[int]
@@ -270,9 +270,10 @@ def generate(
             :class:`beaconkv.measure.speed.timing.StepRecorder`).
         max_batch: Sequences decoded at once (default: all prompts). With more prompts, a finished
             sequence's slot is taken by the next prompt (continuous batching).
-        kernels: Matmul kernels: ``"auto"`` (default; oneDNN-prepacked fp32 linears when 4+ sequences
-            decode together on a CPU without native bfloat16, see
-            :func:`~beaconkv.models.cpu_linear.choose_kernels`), ``"model"`` or ``"packed"``.
+        kernels: Matmul kernels: ``"auto"`` (default; when 4+ sequences decode together on a CPU
+            without native bfloat16, the bf16 weights with fp32 arithmetic for a bf16 model, else
+            oneDNN-prepacked fp32 linears; see :func:`~beaconkv.models.cpu_linear.choose_kernels`),
+            ``"model"``, ``"packed"`` or ``"bf16w"``.
         chat_template_kwargs: Options of the chat template, e.g. ``{"enable_thinking": False}`` for Qwen3.
 
     Returns:

@@ -89,13 +89,14 @@ class Session:
             ``attention_hook`` even if the policy does not observe them (measurement).
         query_window: Keep at least this many pre-RoPE queries per head in the cache's ring
             (measurement; the policy's own need is always met).
-        kernels: The matmul kernels: ``"auto"`` (oneDNN-prepacked fp32 linears for 4+ rows on a CPU
-            without native bfloat16, else the model's own; see
-            :func:`~beaconkv.models.cpu_linear.choose_kernels`), ``"model"`` or ``"packed"``. A packed
-            session keeps its dense cache in the caller's model dtype unless ``cache_dtype`` says otherwise.
+        kernels: The matmul kernels: ``"auto"`` (for 4+ rows on a CPU without native bfloat16, a bf16
+            model's weights with fp32 arithmetic or an fp32 model's prepacked linears; else the model's
+            own; see :func:`~beaconkv.models.cpu_linear.choose_kernels`), ``"model"``, ``"packed"`` or
+            ``"bf16w"``. A session on such a copy keeps its dense cache in the caller's model dtype
+            unless ``cache_dtype`` says otherwise.
 
     Attributes:
-        model: The model the session runs (the caller's, or its prepacked copy).
+        model: The model the session runs (the caller's, or its copy with other linear kernels).
         kernels: The :class:`~beaconkv.models.cpu_linear.KernelChoice` made.
         cache: The cache.
         state: The policy's state.

@@ -9,7 +9,10 @@ matmuls take about half the time (see ``docs/benchmarks.md``, "Batching on the C
 :func:`prepack` returns a copy of a model whose ``nn.Linear`` layers are :class:`PackedLinear` (the
 original model is untouched; embeddings, norms and the rotary module are shared). The packed call is
 a registered custom op (``beaconkv::packed_linear``), so ``torch.compile`` keeps it as one extern
-kernel inside the fullgraph decode step.
+kernel inside the fullgraph decode step. :func:`with_bf16w_linears` makes the other batched copy: a
+bf16 model's linears read in place by the bf16-weight kernel of :mod:`beaconkv.models.bf16w`.
+
+:func:`choose_kernels` picks, per device and rows per step, which of them a decode session runs.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from __future__ import annotations
 import copy
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from .bf16w import BF16WLinear, bf16w_status
 from .decoder import CausalLM
 
 
@@ -95,24 +100,41 @@ def prepack(model: CausalLM, batch_hint: int = 8, dtype: torch.dtype = torch.flo
     """
     if model.device.type != "cpu":
         raise PackingError(f"prepack() is for a CPU model, not one on {model.device}.")
-    return _copy_tree(model, batch_hint, dtype, {})
+    return copy_with_linears(model, lambda linear: PackedLinear(linear, batch_hint, dtype), dtype)
 
 
-def _copy_tree(module: nn.Module, batch_hint: int, dtype: torch.dtype, seen: dict[int, nn.Module]) -> nn.Module:
-    """A structural copy of ``module`` with linears packed and other parameters in ``dtype``.
+def with_bf16w_linears(model: CausalLM) -> CausalLM:
+    """A copy of a bfloat16 CPU ``model`` computing in float32 on its bf16 linear weights.
+
+    Every ``nn.Linear`` becomes a :class:`~beaconkv.models.bf16w.BF16WLinear`, which reads the
+    model's own bf16 weight in place (no copy); the other parameters (embedding, norms) are copied in
+    float32, so activations, residuals and logits are float32.
+
+    Raises:
+        ValueError: The model's linear weights are not bfloat16 on the CPU.
+        KernelBuildError: The kernel cannot be built here.
+    """
+    return copy_with_linears(model, BF16WLinear, torch.float32)
+
+
+def copy_with_linears(module: nn.Module, make_linear: Callable[[nn.Linear], nn.Module], dtype: torch.dtype,
+                      seen: dict[int, nn.Module] | None = None) -> nn.Module:
+    """A structural copy of ``module`` with each ``nn.Linear`` replaced by ``make_linear(linear)`` and the
+    other parameters cast to ``dtype`` (buffers are shared).
 
     A module reached twice (the rotary module every layer shares) is copied once, so it stays shared.
     """
+    seen = {} if seen is None else seen
     if id(module) in seen:
         return seen[id(module)]
     if isinstance(module, nn.Linear):
-        clone: nn.Module = PackedLinear(module, batch_hint, dtype)
+        clone: nn.Module = make_linear(module)
     else:
         clone = copy.copy(module)
         clone._parameters = {name: (None if p is None else nn.Parameter(p.detach().to(dtype), requires_grad=False))
                              for name, p in module._parameters.items()}
         clone._buffers = dict(module._buffers)
-        clone._modules = {name: (None if child is None else _copy_tree(child, batch_hint, dtype, seen))
+        clone._modules = {name: (None if child is None else copy_with_linears(child, make_linear, dtype, seen))
                           for name, child in module._modules.items()}
     seen[id(module)] = clone
     return clone
@@ -120,9 +142,10 @@ def _copy_tree(module: nn.Module, batch_hint: int, dtype: torch.dtype, seen: dic
 
 # ----------------------------------------------------------------------------------- the choice
 #: The values of ``kernels`` (``generate``, :class:`~beaconkv.engine.Engine`, ``--kernels``).
-KERNELS = ("auto", "model", "packed")
+KERNELS = ("auto", "model", "packed", "bf16w")
 
-#: ``kernels="auto"`` packs from this many rows per decode step on (see :func:`choose_kernels`).
+#: ``kernels="auto"`` switches to the batched CPU kernels from this many rows per decode step on
+#: (see :func:`choose_kernels`).
 PACK_MIN_ROWS = 4
 
 
@@ -131,8 +154,9 @@ class KernelChoice:
     """The model a decode session runs, and why.
 
     Attributes:
-        model: The model to run (the caller's, or its prepacked fp32 copy).
-        kernels: ``"model"`` or ``"packed"``.
+        model: The model to run (the caller's, or its copy with other linear kernels).
+        kernels: ``"model"``, ``"packed"`` (oneDNN-prepacked fp32 linears) or ``"bf16w"`` (the
+            model's bf16 weights, fp32 arithmetic, :mod:`beaconkv.models.bf16w`).
         reason: One sentence: what was chosen and why.
     """
 
@@ -141,23 +165,35 @@ class KernelChoice:
     reason: str
 
 
-_PACKED: weakref.WeakKeyDictionary[CausalLM, tuple[tuple[int, ...], CausalLM]] = weakref.WeakKeyDictionary()
+_COPIES: weakref.WeakKeyDictionary[CausalLM, dict[str, tuple[tuple[int, ...], CausalLM]]] = weakref.WeakKeyDictionary()
 
 
-def packed_copy(model: CausalLM) -> CausalLM:
-    """The fp32 prepacked copy of ``model``, made once and reused while the model's weights are unchanged.
+def _cached_copy(model: CausalLM, kind: str, make: Callable[[CausalLM], CausalLM]) -> CausalLM:
+    """``make(model)``, made once per kind and reused while the model's weights are unchanged.
 
     The copy is kept (weakly, with the model) so that successive ``generate`` calls reuse it — and with
     it their compiled decode step. It is remade when a weight of the model was changed in place
     (every parameter's version counter is compared).
     """
     versions = tuple(p._version for p in model.parameters())
-    hit = _PACKED.get(model)
+    copies = _COPIES.setdefault(model, {})
+    hit = copies.get(kind)
     if hit is not None and hit[0] == versions:
         return hit[1]
-    packed = prepack(model, dtype=torch.float32)  # the hint 8 serves 1-16 rows best (a hint of 16 is slower at 16)
-    _PACKED[model] = (versions, packed)
-    return packed
+    made = make(model)
+    copies[kind] = (versions, made)
+    return made
+
+
+def packed_copy(model: CausalLM) -> CausalLM:
+    """The fp32 prepacked copy of ``model`` (:func:`prepack`), made once and reused while the weights are unchanged."""
+    # the hint 8 serves 1-16 rows best (a hint of 16 is slower at 16)
+    return _cached_copy(model, "packed", lambda m: prepack(m, dtype=torch.float32))
+
+
+def bf16w_copy(model: CausalLM) -> CausalLM:
+    """The bf16-weight fp32-compute copy of ``model`` (:func:`with_bf16w_linears`), made once and reused."""
+    return _cached_copy(model, "bf16w", with_bf16w_linears)
 
 
 def _ram_bytes() -> int:
@@ -167,48 +203,71 @@ def _ram_bytes() -> int:
         return 1 << 62
 
 
-def _is_packed(model: CausalLM) -> bool:
-    return any(isinstance(m, PackedLinear) for m in model.modules())
+def _has_own_kernels(model: CausalLM) -> bool:
+    return any(isinstance(m, (PackedLinear, BF16WLinear)) for m in model.modules())
+
+
+def _linears_bf16(model: CausalLM) -> bool:
+    return all(m.weight.dtype == torch.bfloat16 for m in model.modules() if isinstance(m, nn.Linear))
 
 
 def choose_kernels(model: CausalLM, rows: int, kernels: str = "auto") -> KernelChoice:
     """Picks the matmul kernels of a decode session with ``rows`` rows per step.
 
-    ``"auto"`` packs (:func:`prepack`, fp32) when all of these hold, and otherwise runs the model as it is:
+    ``"auto"`` runs the model as it is unless all of these hold:
 
-    * the model is on the CPU and this PyTorch has oneDNN packing;
-    * the CPU has no native bfloat16 (AVX2 without AVX-512-BF16/AMX): there a bf16 matmul of ``rows``
-      rows costs about ``rows`` times one row, while a prepacked fp32 one streams the weights once;
-    * ``rows >= PACK_MIN_ROWS``: at 1-3 rows the bf16 (or fp32 gemv) step reading half the bytes is
-      as fast or faster — on this project's 2-core AVX2 CPU, batch 1: bf16 46.9 tok/s vs packed fp32
-      19.5; batch 8: packed fp32 88.5 tok/s vs bf16 53.3 (``docs/benchmarks.md``, batching on the CPU);
-    * the fp32 copy of the weights takes at most a quarter of the machine's memory.
+    * the model is on the CPU, and the CPU has no native bfloat16 (AVX2 without AVX-512-BF16/AMX):
+      there a bf16 matmul of ``rows`` rows costs about ``rows`` times one row;
+    * ``rows >= PACK_MIN_ROWS``: at 1-3 rows the model's own step (inductor's vectorised
+      matrix-vector products when compiled) is as fast;
+
+    and then it picks, in this order:
+
+    * ``"bf16w"`` for a model with bf16 linear weights where the kernel can be built (AVX2 + FMA, a
+      C++ compiler): the weights are read in bf16, in place, and widened to fp32 in registers;
+    * ``"packed"`` where oneDNN can prepack: an fp32 copy of the linears, streamed once per step —
+      unless that copy would take more than a quarter of the machine's memory.
+
+    On this project's 2-core AVX2 CPU (embedded model, compiled step, batch 8) the step takes about
+    55 ms with bf16w, 93 ms packed and 150 ms with the model's bf16 kernels (``docs/benchmarks.md``,
+    "Batching on the CPU").
 
     Args:
         model: The caller's model.
         rows: Rows each decode step runs (the batch, or the engine's slot pool).
-        kernels: ``"auto"``, ``"model"`` (never pack) or ``"packed"`` (always, on a CPU).
+        kernels: ``"auto"``, ``"model"`` (never replace the linears), ``"packed"`` or ``"bf16w"`` (always,
+            where possible).
 
     Raises:
-        ValueError: An unknown ``kernels``.
+        ValueError: An unknown ``kernels``, or ``"bf16w"`` for a model whose weights are not bf16.
         PackingError: ``"packed"`` where packing is impossible.
+        KernelBuildError: ``"bf16w"`` where the kernel cannot be built.
     """
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} is unknown; choose one of {', '.join(KERNELS)}.")
-    if kernels == "model" or _is_packed(model):
-        return KernelChoice(model, "model", "the model's own kernels" + (" (already packed)" if kernels != "model"
-                                                                          and _is_packed(model) else ""))
+    if kernels == "model" or _has_own_kernels(model):
+        return KernelChoice(model, "model", "the model's own kernels" + (" (already replaced)" if kernels != "model"
+                                                                          and _has_own_kernels(model) else ""))
     if kernels == "packed":
         return KernelChoice(packed_copy(model), "packed", "oneDNN-prepacked fp32 linears, as asked")
-    if model.device.type != "cpu" or not packing_available():
+    if kernels == "bf16w":
+        return KernelChoice(bf16w_copy(model), "bf16w", "bf16 weights with fp32 arithmetic, as asked")
+    if model.device.type != "cpu":
         return KernelChoice(model, "model", f"the model's own kernels on {model.device.type}")
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return KernelChoice(model, "model", "this CPU has native bfloat16 matmuls")
     if rows < PACK_MIN_ROWS:
         return KernelChoice(model, "model", f"{rows} row(s) per step: the model's kernels read fewer bytes")
+    why = f"{rows} rows per step on a CPU without native bfloat16"
+    if _linears_bf16(model):
+        reason = bf16w_status()
+        if reason is None:
+            return KernelChoice(bf16w_copy(model), "bf16w", f"{why}: the bf16 weights widened to fp32 in registers")
+        why += f" (no bf16-weight kernel: {reason})"
+    if not packing_available():
+        return KernelChoice(model, "model", f"{why}, but this PyTorch has no oneDNN packing")
     fp32_bytes = 4 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     if fp32_bytes > _ram_bytes() // 4:
         return KernelChoice(model, "model", f"an fp32 copy of the linears ({fp32_bytes / 2**30:.1f} GiB) would "
                                             "take more than a quarter of this machine's memory")
-    return KernelChoice(packed_copy(model), "packed",
-                        f"{rows} rows per step on a CPU without native bfloat16: oneDNN-prepacked fp32 linears")
+    return KernelChoice(packed_copy(model), "packed", f"{why}: oneDNN-prepacked fp32 linears")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import beaconkv
+from beaconkv.models.bf16w import bf16w_available
 from beaconkv.models.cpu_linear import (
     PACK_MIN_ROWS,
     PackedLinear,
@@ -43,7 +44,7 @@ def test_a_packed_copy_computes_the_same_logits(llama):
 def test_kernel_choice_follows_the_rows_and_the_request(llama):
     assert choose_kernels(llama, 1).model is llama  # one row: the model's own kernels, whatever the CPU
     assert choose_kernels(llama, 64, "model").model is llama
-    with pytest.raises(ValueError, match="kernels='fast' is unknown; choose one of auto, model, packed"):
+    with pytest.raises(ValueError, match="kernels='fast' is unknown; choose one of auto, model, packed, bf16w"):
         choose_kernels(llama, 8, "fast")
 
 
@@ -81,5 +82,5 @@ def test_a_packed_session_keeps_the_cache_in_the_callers_dtype(tiny_models):
     prompts = _prompts(PACK_MIN_ROWS)
     auto = beaconkv.generate(bf16, None, prompts, max_new_tokens=4, eos_token_ids=[])
     plain = beaconkv.generate(bf16, None, prompts, max_new_tokens=4, eos_token_ids=[], kernels="model")
-    assert auto.stats.kernels == "packed"
+    assert auto.stats.kernels == ("bf16w" if bf16w_available() else "packed")  # bf16 weights: bf16w where it builds
     assert auto.stats.cache_bytes == plain.stats.cache_bytes

@@ -34,6 +34,7 @@ import torch
 
 from ...engine import Completion, Engine, Request
 from ...execution import CompileConfig
+from ...models.bf16w import bf16w_available
 from ...models.decoder import CausalLM
 from ...models.loading import load_model
 from ...models.random_weights import random_model
@@ -114,7 +115,7 @@ class EngineRow:
         ttft_p90_s: 90th percentile of the time to first token.
         utilisation: Busy slot-steps over all slot-steps (NaN for transformers).
         evictions: Evictions over all requests.
-        kernels: The matmul kernels the engine chose for its pool (``"model"``/``"packed"``).
+        kernels: The matmul kernels the engine chose for its pool (``"model"``/``"packed"``/``"bf16w"``).
         warmup_s: Seconds of the untimed warm-up (compiles included; see :func:`warmup_requests`).
         prefill_s: Seconds of the timed run spent admitting (prefilling) requests.
         policy_s: Seconds of the timed run spent in the policy between steps (evictions included).
@@ -313,7 +314,7 @@ def markdown_engine(rows: Sequence[EngineRow], workload: dict[str, Any]) -> str:
     for r in rows:
         util = "—" if r.utilisation != r.utilisation else f"{100 * r.utilisation:.0f}%"
         label = r.policy if r.budget is None else f"{r.policy} ({r.budget})"
-        kernels = "packed fp32" if r.kernels == "packed" else "model"
+        kernels = {"packed": "packed fp32", "bf16w": "bf16w"}.get(r.kernels, "model")
         lines.append(f"| {r.mode} | {label} | {r.slots} | {kernels} | {r.kv_bytes / 2**20:.1f} | {r.tokens_per_s:.1f} | "
                      f"{r.ttft_mean_s:.1f} | {r.ttft_p90_s:.1f} | {util} | {r.evictions} |")
     return "\n".join(lines)
@@ -337,14 +338,15 @@ def add_engine_arguments(group: argparse._ArgumentGroup) -> None:
                             "run: speed does not depend on the weights; prompts tokenised with --model's tokenizer, "
                             "no transformers row)")
     group.add_argument("--engine-dtype", default=None,
-                       help="model dtype of the section (default: bf16 on CUDA; fp32 on a CPU, where a bf16 prefill "
-                            "without native bf16 takes seconds per prompt)")
+                       help="model dtype of the section (default: bf16 on CUDA, and on a CPU where the bf16-weight "
+                            "kernel builds — the pools then run bf16w; fp32 on other CPUs, where a bf16 prefill "
+                            "without native bf16 takes seconds per prompt). transformers' row runs fp32 on a CPU")
 
 
 def run_engine_section(args: argparse.Namespace, path: Path, device: torch.device,
                        compile_config: CompileConfig | None, log: Callable[[str], None]) -> dict[str, Any]:
     """The section as ``beaconkv bench --sections engine`` runs it: rows, workload and ratios (JSON-ready)."""
-    dtype = args.engine_dtype or ("bf16" if device.type == "cuda" else "fp32")
+    dtype = args.engine_dtype or ("bf16" if device.type == "cuda" or bf16w_available() else "fp32")
     tokenizer = load_tokenizer(path)
     if args.engine_model == "qwen3-4b":
         model = random_model(qwen3_4b_config(), DTYPES[dtype], device)
@@ -354,7 +356,9 @@ def run_engine_section(args: argparse.Namespace, path: Path, device: torch.devic
     limit = args.engine_full_slots * (args.engine_prompt_tokens + args.engine_max_new) * per_token
     hf_model = None
     if not args.no_transformers and args.engine_model == "checkpoint":
-        hf_model = load_hf_model(path, model.dtype, device)
+        # transformers' own bf16 kernels are emulated on a CPU without native bf16: give it fp32 there
+        hf_dtype = model.dtype if device.type == "cuda" else torch.float32
+        hf_model = load_hf_model(path, hf_dtype, device)
     rows, workload = measure_engine(model, tokenizer, args.engine_requests, args.engine_min_new, args.engine_max_new,
                                     limit, args.engine_budget, args.engine_max_slots, compile_config, hf_model, log,
                                     prompt_tokens=args.engine_prompt_tokens)

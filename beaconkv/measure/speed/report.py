@@ -32,7 +32,8 @@ def markdown_report(results: dict[str, Any]) -> str:
             if r["error"]:
                 out.append(f"| {r['impl']} | {r['dtype']} | {r['batch']} | — | — | — | {r['error'][:60]} |")
             else:
-                kind = f"{r['dtype']} → packed fp32" if r.get("kernels") == "packed" else r["dtype"]
+                kind = {"packed": f"{r['dtype']} → packed fp32", "bf16w": f"{r['dtype']} weights, fp32 arithmetic"}.get(
+                    r.get("kernels", "model"), r["dtype"])
                 out.append(f"| {r['impl']} | {kind} | {r['batch']} | {_fmt(r['ms_per_step'])} | "
                            f"{_fmt(r['tokens_per_s'])} | {_fmt(r['gb_per_s'], 2)} | {100 * r['roofline']:.0f}% |")
         out.append("")

@@ -41,8 +41,9 @@ class ThroughputRow:
         bytes_per_step: Weight + KV bytes a step reads.
         gb_per_s: Achieved bandwidth.
         roofline: ``gb_per_s`` / the measured streaming bandwidth.
-        kernels: The matmul kernels beaconkv chose (``"model"`` or ``"packed"``: oneDNN-prepacked fp32
-            linears, see :func:`~beaconkv.models.cpu_linear.choose_kernels`); ``"model"`` for transformers.
+        kernels: The matmul kernels beaconkv chose (``"model"``, ``"packed"``: oneDNN-prepacked fp32
+            linears, or ``"bf16w"``: bf16 weights with fp32 arithmetic; see
+            :func:`~beaconkv.models.cpu_linear.choose_kernels`); ``"model"`` for transformers.
         error: Why the implementation could not run (then the figures are NaN).
     """
 
@@ -168,6 +169,6 @@ def measure_throughput(
                     row.error = f"{type(err).__name__}: {first[:200]}"
                 log(f"  {impl:28s} {dname} batch {batch}: " + (row.error or
                     f"{row.ms_per_step:.1f} ms/step, {row.tokens_per_s:.1f} tok/s, {row.gb_per_s:.2f} GB/s"
-                    + (" (packed fp32 linears)" if row.kernels == "packed" else "")))
+                    + {"packed": " (packed fp32 linears)", "bf16w": " (bf16 weights, fp32 arithmetic)"}.get(row.kernels, "")))
                 rows.append(row)
     return rows
