@@ -229,7 +229,7 @@ def choose_kernels(model: CausalLM, rows: int, kernels: str = "auto") -> KernelC
       unless that copy would take more than a quarter of the machine's memory.
 
     On this project's 2-core AVX2 CPU (embedded model, compiled step, batch 8) the step takes about
-    55 ms with bf16w, 93 ms packed and 150 ms with the model's bf16 kernels (``docs/benchmarks.md``,
+    49 ms with bf16w, 93 ms packed and 150 ms with the model's bf16 kernels (``docs/benchmarks.md``,
     "Batching on the CPU").
 
     Args:

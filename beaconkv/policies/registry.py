@@ -106,6 +106,8 @@ for _cls in (FullKV, BeaconKV, InitialRecent, SnapKV, RPC, RKV, H2O, StreamingLL
 #: Variants beyond the paper that are a setting of BeaconKV (docs/benchmarks.md, "Beyond the paper").
 register_policy("beacon_lse", BeaconKV, aggregation="logsumexp", temperature=0.02)
 register_policy("beacon_evictable", BeaconKV, normalize="evictable")
+#: The two that moved the standard run's figures, together: soft aggregation, scores that decay over cycles.
+register_policy("beacon_lse_memory", MemoryBeaconKV, aggregation="logsumexp", temperature=0.02)
 
 
 def make_policy(name: str, budget: int | None = None, **kwargs: Any) -> EvictionPolicy:

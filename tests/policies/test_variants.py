@@ -8,6 +8,7 @@ import torch
 from beaconkv.cache import KVCache
 from beaconkv.models.rope import RotaryEmbedding
 from beaconkv.policies import BeaconKV, EventBeaconKV, GroupBeaconKV, MemoryBeaconKV, make_policy
+from beaconkv.policies.registry import policy_defaults
 from beaconkv.policies.scoring import reduce_group, reduce_queries
 
 from .driver import bind, drive
@@ -72,6 +73,13 @@ def test_logsumexp_tends_to_max_and_is_a_smooth_upper_bound():
         soft = reduce_group(reduce_queries(w, mask, "logsumexp", temp), "logsumexp", temp)
         assert bool((soft >= hard - 1e-6).all()) and float((soft - hard).max()) < tol
     assert make_policy("beacon_lse", 128).aggregation == "logsumexp"
+
+
+def test_the_combination_is_memory_scores_with_logsumexp_aggregation():
+    combo = make_policy("beacon_lse_memory", 128, memory=0.3)
+    assert isinstance(combo, MemoryBeaconKV) and (combo.aggregation, combo.temperature, combo.memory) == (
+        "logsumexp", 0.02, 0.3)
+    assert policy_defaults("beacon_lse_memory")["aggregation"] == "logsumexp"
 
 
 def test_event_refresh_takes_in_a_far_looking_query_and_ignores_a_local_one():
