@@ -47,7 +47,18 @@ def _unsupported_reason() -> str | None:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r}) on the PATH; install one (e.g. g++) or set CXX"
+    if _ninja_dir() is None:
+        return "torch builds C++ extensions with ninja, which is not on the PATH; pip install ninja"
     return None
+
+
+def _ninja_dir() -> str | None:
+    """The folder of a ``ninja`` executable: on the PATH, or next to this interpreter (an unactivated venv)."""
+    found = shutil.which("ninja")
+    if found is not None:
+        return os.path.dirname(found)
+    beside = Path(sys.executable).parent
+    return str(beside) if (beside / "ninja").is_file() else None
 
 
 def _build() -> str | None:
@@ -59,6 +70,9 @@ def _build() -> str | None:
 
     print("beaconkv: loading the bf16-weight CPU matmul kernel (built once per machine, about 50 s)…",
           file=sys.stderr, flush=True)
+    ninja = _ninja_dir()
+    if ninja is not None and shutil.which("ninja") is None:  # torch looks for it on the PATH only
+        os.environ["PATH"] = ninja + os.pathsep + os.environ.get("PATH", "")
     try:
         cpp_extension.load(name="beaconkv_cpu_bf16w", sources=[str(SOURCE)], extra_cflags=_BUILD_FLAGS,
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
