@@ -8,12 +8,15 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import beaconkv
 from beaconkv.cli import main
 from beaconkv.measure.fidelity import (
     FidelityError,
     GlobalQueryRule,
+    LengthAwareRule,
     LockStep,
     Run,
     Trace,
@@ -21,6 +24,7 @@ from beaconkv.measure.fidelity import (
     auto_n_recent,
     forced_tokens,
     held_attention_mass,
+    held_attention_masses,
     kl_divergence,
     measure_fidelity,
     study_runs,
@@ -65,6 +69,56 @@ def test_held_mass_ignores_empty_reference_slots_and_follows_positions_not_slots
     key_pos = torch.tensor([[[10, 4, 7, -1]]])  # slots hold positions 10, 4, 7
     held = torch.tensor([[[4, 10, -1]]])
     assert held_attention_mass(w, key_pos, held).item() == pytest.approx(0.5)
+
+
+def _brute_force_held_mass(w, key_pos, held):
+    """sum of w over reference slots whose position is in ``held`` (python sets, no tensor tricks)."""
+    out = torch.zeros(w.shape[:-1], dtype=torch.float64)
+    for idx in torch.cartesian_prod(*[torch.arange(n) for n in key_pos.shape[:-1]]).view(-1, key_pos.dim() - 1):
+        i = tuple(idx.tolist())
+        kept = {int(p) for p in held[i] if p >= 0}
+        on = torch.tensor([int(p) >= 0 and int(p) in kept for p in key_pos[i]], dtype=torch.float64)
+        out[i] = (w[i].double() * on).sum(-1)
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), capacity=st.integers(1, 40), widths=st.lists(st.integers(1, 30), min_size=1, max_size=4),
+       spread=st.integers(0, 60))
+def test_held_masses_of_several_caches_equal_a_brute_force_per_cache(seed, capacity, widths, spread):
+    g = torch.Generator().manual_seed(seed)
+    lead = (2, 3)  # (batch, kv)
+    w = torch.rand(*lead, 4, capacity, generator=g)  # not normalised: the sum itself is compared
+    # reference positions: distinct per row, in any slot order, some slots empty, positions may exceed C
+    key_pos = torch.stack([torch.randperm(capacity + spread, generator=g)[:capacity] for _ in range(6)]).view(*lead, capacity)
+    key_pos = torch.where(torch.rand(*lead, capacity, generator=g) < 0.2, -1, key_pos)
+    held = [torch.randint(-1, capacity + spread, (*lead, c), generator=g) for c in widths]  # repeats and -1 allowed
+    got = held_attention_masses(w, key_pos, held)
+    assert got.shape == (len(held), *lead, 4)
+    for r, h in enumerate(held):
+        torch.testing.assert_close(got[r].double(), _brute_force_held_mass(w, key_pos, h), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(held_attention_mass(w, key_pos, h), got[r])
+    bound = capacity + spread + 5  # any upper bound on the positions gives the same answer
+    torch.testing.assert_close(held_attention_masses(w, key_pos, held, n_positions=bound), got)
+
+
+def test_held_masses_need_a_cache():
+    with pytest.raises(ValueError, match="held_pos is empty"):
+        held_attention_masses(torch.ones(1, 1, 2), torch.zeros(1, 2, dtype=torch.long), [])
+
+
+def test_shared_distance_gives_the_same_classes_as_computing_it_per_rule():
+    g = torch.Generator().manual_seed(1)
+    w = torch.rand(3, 2, 4, 50, generator=g).softmax(-1)
+    key_pos = torch.arange(50).expand(3, 2, 50)
+    qpos, plen = torch.tensor(60).view(1, 1), torch.tensor(5).view(1, 1)
+    dist = attention_distance(w, key_pos, qpos, top_k=8)
+    rule = GlobalQueryRule(top_k=8, threshold=float(dist.median()))  # a mix of both classes
+    la = LengthAwareRule(top_k=8, fraction=0.55, recent=4, mass=0.3)
+    assert torch.equal(rule.is_global(w, key_pos, qpos, distance=dist), rule.is_global(w, key_pos, qpos))
+    assert torch.equal(la.is_global(w, key_pos, qpos, plen, distance=dist), la.is_global(w, key_pos, qpos, plen))
+    for mask in (rule.is_global(w, key_pos, qpos), la.is_global(w, key_pos, qpos, plen)):
+        assert mask.any() and not mask.all()
 
 
 def test_attention_distance_averages_the_top_k_keys():
@@ -147,6 +201,8 @@ def test_stacked_runs_equal_one_decode_step_call_per_run(llama):
         torch.testing.assert_close(x.weights, y.weights, atol=1e-5, rtol=1e-4)
         for hx, hy in zip(x.held_pos, y.held_pos):
             assert torch.equal(hx, hy)
+        # the reference slots are cut at the longest sequence's length: nothing attended is cut off
+        assert x.weights.shape[-1] == x.key_pos.shape[-1] == max(len(p) for p in prompts) + s + 1
         evicted |= any(bool((h < 0).any()) for h in x.held_pos)
     assert all(sum(s.state.stats.evictions) > 0 for s in a.sessions[1:])
     assert [s.state.stats.evictions for s in a.sessions] == [s.state.stats.evictions for s in b.sessions]

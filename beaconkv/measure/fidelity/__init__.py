@@ -15,8 +15,10 @@ from .errors import FidelityError
 from .lockstep import LockStep, StepOutput
 from .metrics import (
     GlobalQueryRule,
+    LengthAwareRule,
     attention_distance,
     held_attention_mass,
+    held_attention_masses,
     kl_divergence,
 )
 from .report import METRICS, POLICY_ORDER, markdown_table, plot_fidelity, write_csv
@@ -32,8 +34,8 @@ from .traces import (
 )
 
 __all__ = [
-    "METRICS", "POLICY_ORDER", "FidelityError", "FidelityRow", "GlobalQueryRule", "LockStep", "Run", "StepOutput",
+    "METRICS", "POLICY_ORDER", "FidelityError", "FidelityRow", "GlobalQueryRule", "LengthAwareRule", "LockStep", "Run", "StepOutput",
     "Trace", "attention_distance", "auto_n_recent", "forced_tokens", "generate_traces", "held_attention_mass",
-    "kl_divergence", "load_traces", "markdown_table", "measure_fidelity", "plot_fidelity", "read_trace_records",
+    "held_attention_masses",     "kl_divergence", "load_traces", "markdown_table", "measure_fidelity", "plot_fidelity", "read_trace_records",
     "select_records", "study_runs", "trace_from_record", "write_csv",
 ]

@@ -39,7 +39,8 @@ class StepOutput:
 
     Attributes:
         logits: ``(runs, batch, vocab)`` float32; run 0 is the FullKV reference.
-        weights: ``(layers, batch, kv_heads, group, C)`` the reference's decode attention weights.
+        weights: ``(layers, batch, kv_heads, group, C)`` the reference's decode attention weights
+            over its filled slots (``C``: the longest sequence's length so far).
         key_pos: ``(layers, batch, kv_heads, C)`` positions of the reference's slots.
         held_pos: Per compressed run, ``(layers, batch, kv_heads, C_run)`` the positions its
             attention saw at this step (before its post-step eviction).
@@ -165,6 +166,10 @@ class LockStep:
             logits = torch.stack([self.model.decode_step(tokens, s.positions, s.cache) for s in self.sessions])
         weights = torch.stack(self._captured)  # type: ignore[arg-type]  # (layers, batch, kv_heads, group, C)
         key_pos = torch.stack([layer.positions() for layer in self.reference.cache.layers])
+        # FullKV fills its slots in order: the slots past the last filled one carry no weight, and every
+        # metric over the reference slots costs O(C) — so C is the context so far, not the capacity.
+        used = int(self.reference.cache.layers[0].length.max())
+        weights, key_pos = weights[..., :used], key_pos[..., :used]
         held = [torch.stack([layer.positions() for layer in s.cache.layers]) for s in self.sessions[1:]]
         for s in self.sessions:
             s.after_step()

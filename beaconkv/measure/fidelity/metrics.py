@@ -14,6 +14,7 @@ Each query is one (step, layer, query head). Two rules split them into *global* 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +45,18 @@ class GlobalQueryRule:
         """Mean attention distance of each query (see :func:`attention_distance`)."""
         return attention_distance(weights, key_pos, query_pos, self.top_k)
 
-    def is_global(self, weights: Tensor, key_pos: Tensor, query_pos: Tensor) -> Tensor:
-        """Bool mask of global queries, shaped like ``weights.shape[:-1]``."""
-        return self.distance(weights, key_pos, query_pos) > self.threshold
+    def is_global(self, weights: Tensor, key_pos: Tensor, query_pos: Tensor, distance: Tensor | None = None) -> Tensor:
+        """Bool mask of global queries, shaped like ``weights.shape[:-1]``.
+
+        Args:
+            weights: ``(..., group, C)`` attention weights.
+            key_pos: ``(..., C)`` slot positions (``-1`` empty).
+            query_pos: Query positions, broadcastable to ``key_pos.shape[:-1]``.
+            distance: The queries' top-``top_k`` mean distance if already computed (e.g. shared
+                with a :class:`LengthAwareRule` of the same K); None computes it.
+        """
+        dist = self.distance(weights, key_pos, query_pos) if distance is None else distance
+        return dist > self.threshold
 
 
 @dataclass(frozen=True)
@@ -94,9 +104,15 @@ class LengthAwareRule:
         far = (key_pos >= p) & (key_pos <= t - self.recent)
         return (weights * far.to(weights.dtype).unsqueeze(-2)).sum(-1)
 
-    def is_global(self, weights: Tensor, key_pos: Tensor, query_pos: Tensor, prompt_len: Tensor) -> Tensor:
-        """Bool mask of global queries, shaped like ``weights.shape[:-1]`` (arguments as :meth:`far_mass`)."""
-        dist = attention_distance(weights, key_pos, query_pos, self.top_k)
+    def is_global(
+        self, weights: Tensor, key_pos: Tensor, query_pos: Tensor, prompt_len: Tensor, distance: Tensor | None = None
+    ) -> Tensor:
+        """Bool mask of global queries, shaped like ``weights.shape[:-1]``.
+
+        Arguments as :meth:`far_mass`, plus ``distance``: the queries' top-``top_k`` mean distance
+        if already computed (None computes it).
+        """
+        dist = attention_distance(weights, key_pos, query_pos, self.top_k) if distance is None else distance
         far_enough = dist > self.fraction * (query_pos.unsqueeze(-1) + 1).float()
         return far_enough & (self.far_mass(weights, key_pos, query_pos, prompt_len) >= self.mass)
 
@@ -140,7 +156,48 @@ def held_attention_mass(weights: Tensor, key_pos: Tensor, held_pos: Tensor) -> T
         ``(..., group)``: ``sum(weights over held positions)``; 1 when everything is held and the
         weights sum to 1.
     """
-    return (weights * held_mask(key_pos, held_pos).to(weights.dtype).unsqueeze(-2)).sum(-1)
+    return held_attention_masses(weights, key_pos, [held_pos])[0]
+
+
+def held_attention_masses(
+    weights: Tensor, key_pos: Tensor, held_pos: Sequence[Tensor], n_positions: int | None = None
+) -> Tensor:
+    """:func:`held_attention_mass` for several compressed caches at once (one pass over the weights).
+
+    Each cache's held positions are scattered into a presence table indexed by position, the
+    reference slots look their positions up in it, and one batched matrix product sums every
+    cache's held weights: no sort per cache, and the ``O(C)`` reference weights are read once for
+    all of them.
+
+    Args:
+        weights: ``(..., group, C)`` reference attention weights.
+        key_pos: ``(..., C)`` reference slot positions (``-1`` empty).
+        held_pos: Per cache, ``(..., C_r)`` held positions (``-1`` empty; any order; ``C_r`` may differ).
+        n_positions: An upper bound on every position plus one (default: read from the tensors,
+            one host read).
+
+    Returns:
+        ``(len(held_pos), ..., group)`` the held mass of each cache.
+
+    Raises:
+        ValueError: No cache is given.
+    """
+    if not held_pos:
+        raise ValueError("held_pos is empty: pass at least one cache's held positions.")
+    if n_positions is None:
+        n_positions = int(max([int(key_pos.max())] + [int(h.max()) for h in held_pos])) + 1
+    P = max(n_positions, 1)
+    lead = key_pos.shape[:-1]
+    table = torch.zeros(len(held_pos), *lead, P + 1, dtype=torch.bool, device=key_pos.device)
+    for r, h in enumerate(held_pos):  # column P collects the empty slots
+        table[r].scatter_(-1, torch.where((h >= 0) & (h < P), h, P), True)
+    table[..., P] = False
+    slot = torch.where((key_pos >= 0) & (key_pos < P), key_pos, P)
+    mask = torch.gather(table, -1, slot.unsqueeze(0).expand(len(held_pos), *slot.shape))  # (R, ..., C)
+    G, C = weights.shape[-2], weights.shape[-1]
+    w = weights.reshape(-1, G, C)
+    m = mask.reshape(len(held_pos), -1, C).permute(1, 2, 0).to(weights.dtype)  # (N, C, R)
+    return torch.bmm(w, m).permute(2, 0, 1).reshape(len(held_pos), *weights.shape[:-1])
 
 
 def held_mask(key_pos: Tensor, held_pos: Tensor) -> Tensor:

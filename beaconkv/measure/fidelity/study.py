@@ -24,7 +24,7 @@ from ...policies.registry import make_policy, policy_parameters
 from ...policies.samplers import KMeans, NaiveFPS
 from .errors import FidelityError
 from .lockstep import LockStep, StepOutput
-from .metrics import GlobalQueryRule, LengthAwareRule, held_attention_mass, kl_divergence, prompt_mass
+from .metrics import GlobalQueryRule, LengthAwareRule, held_attention_masses, kl_divergence, prompt_mass
 from .traces import Trace, forced_tokens
 
 
@@ -253,9 +253,11 @@ def classify(out: StepOutput, rule: GlobalQueryRule, sparse_rule: LengthAwareRul
     """Classifies the reference queries of one lock-step step under both rules."""
     B = out.query_pos.shape[0]
     qpos, plen = out.query_pos.view(1, B, 1), prompt_len.view(1, B, 1)
+    dist = rule.distance(out.weights, out.key_pos, qpos)
+    shared = dist if sparse_rule.top_k == rule.top_k else None  # one top-K for both rules
     return StepClasses(
-        rule.is_global(out.weights, out.key_pos, qpos),
-        sparse_rule.is_global(out.weights, out.key_pos, qpos, plen),
+        rule.is_global(out.weights, out.key_pos, qpos, distance=dist),
+        sparse_rule.is_global(out.weights, out.key_pos, qpos, plen, distance=shared),
         prompt_mass(out.weights, out.key_pos, plen),
     )
 
@@ -304,6 +306,7 @@ def measure_fidelity(
     B = len(traces)
     prompt_len = torch.tensor([len(t.prompt_ids) for t in traces], device=lock.device)
     tallies = [_Tally(B) for _ in runs]
+    n_positions = max(len(t.prompt_ids) for t in traces) + n_tokens  # every position is below this
     lock.prefill()
     bar = tqdm(range(n_tokens), desc=f"fidelity ({len(runs)} runs x {B} traces)", unit="tok", disable=not progress)
     for s in bar:
@@ -311,8 +314,8 @@ def measure_fidelity(
         classes = classify(out, rule, sparse_rule, prompt_len)
         ref = out.logits[0]
         ref_top = ref.argmax(-1)
-        for r, (tally, session) in enumerate(zip(tallies, lock.sessions[1:]), start=1):
-            mass = held_attention_mass(out.weights, out.key_pos, out.held_pos[r - 1])
+        masses = held_attention_masses(out.weights, out.key_pos, out.held_pos, n_positions)
+        for r, (tally, session, mass) in enumerate(zip(tallies, lock.sessions[1:], masses), start=1):
             held = getattr(session.policy, "held_queries", None)
             tally.add(kl_divergence(ref, out.logits[r]), out.logits[r].argmax(-1) == ref_top, mass, classes,
                       held(session.state) if held is not None else None)
