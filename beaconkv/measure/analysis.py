@@ -42,7 +42,7 @@ from ..policies.state import PolicyState
 from .fidelity.cli import add_trace_arguments, load_model_and_traces
 from .fidelity.errors import FidelityError
 from .fidelity.lockstep import LockStep
-from .fidelity.metrics import GlobalQueryRule, held_attention_mass
+from .fidelity.metrics import GlobalQueryRule, LengthAwareRule, held_attention_mass
 from .fidelity.study import auto_n_recent
 from .fidelity.traces import Trace, forced_tokens
 
@@ -57,7 +57,8 @@ class TraceAnalysis:
         rule: The global/local rule used.
         policy: ``repr`` of the policy run alongside.
         distance: ``(S, L, H)`` mean distance of each query to its top-K keys.
-        is_global: ``(S, L, H)`` bool.
+        is_global: ``(S, L, H)`` bool, the paper's rule.
+        is_global_la: ``(S, L, H)`` bool, the length-aware rule (:class:`~.fidelity.metrics.LengthAwareRule`).
         recall: ``(S, L, H)`` the policy's held share of each query's reference attention mass.
         prompt_mass: ``(S, L, H)`` share of each query's attention mass on prompt positions.
         beacon_cos: ``(S, L, H)`` max cosine similarity of each pre-RoPE query to the beacons (or
@@ -76,6 +77,7 @@ class TraceAnalysis:
     policy: str
     distance: Tensor
     is_global: Tensor
+    is_global_la: Tensor
     recall: Tensor
     prompt_mass: Tensor
     beacon_cos: Tensor
@@ -118,6 +120,7 @@ def analyze_trace(
     rule: GlobalQueryRule | None = None,
     policy: EvictionPolicy | None = None,
     progress: bool = True,
+    sparse_rule: LengthAwareRule | None = None,
 ) -> TraceAnalysis:
     """Teacher-forces one trace with FullKV and one policy in lock-step and records every query.
 
@@ -128,6 +131,8 @@ def analyze_trace(
         rule: Global/local classification (default: SPEC §1, K = 150, threshold 200).
         policy: The policy run alongside (default: BeaconKV at budget 128).
         progress: Show a tqdm progress bar.
+        sparse_rule: The length-aware global/local rule (default :class:`LengthAwareRule` with the
+            paper rule's K).
 
     Returns:
         The measurements (see :class:`TraceAnalysis`).
@@ -135,6 +140,8 @@ def analyze_trace(
     from tqdm.auto import tqdm
 
     rule = rule or GlobalQueryRule()
+    sparse_rule = sparse_rule or LengthAwareRule(top_k=rule.top_k)
+    shared_k = sparse_rule.top_k == rule.top_k  # one top-K serves both rules
     pol = policy or make_policy("beacon", 128, n_beacon=16, n_recent=16)
     tokens = forced_tokens([trace], n_tokens)
     P = len(trace.prompt_ids) + n_tokens
@@ -145,6 +152,7 @@ def analyze_trace(
     n_bins = int(math.log2(P)) + 2
     distance = torch.zeros(n_tokens, Lyr, H)
     is_global = torch.zeros(n_tokens, Lyr, H, dtype=torch.bool)
+    is_global_la = torch.zeros(n_tokens, Lyr, H, dtype=torch.bool)
     recall = torch.zeros(n_tokens, Lyr, H)
     prompt_mass = torch.zeros(n_tokens, Lyr, H)
     beacon_cos = torch.full((n_tokens, Lyr, H), float("nan"))
@@ -165,6 +173,9 @@ def analyze_trace(
         dist = rule.distance(w, kp, out.query_pos.view(1, 1)).reshape(Lyr, H)
         glob = dist > rule.threshold
         distance[s], is_global[s] = dist, glob
+        plen = torch.tensor(len(trace.prompt_ids)).view(1, 1)
+        is_global_la[s] = sparse_rule.is_global(w, kp, out.query_pos.view(1, 1), plen,
+                                                distance=dist.view(w.shape[:-1]) if shared_k else None).reshape(Lyr, H)
         recall[s] = held_attention_mass(w, kp, out.held_pos[0][:, 0]).reshape(Lyr, H)
         prompt_mass[s] = (w * ((kp >= 0) & (kp < len(trace.prompt_ids))).unsqueeze(-2)).sum(-1).reshape(Lyr, H)
         # attention mass per distance bin, split by the query's class
@@ -185,7 +196,7 @@ def analyze_trace(
     queries = torch.stack([layer.queries[0, :, :P] for layer in ref.layers]).float()  # (L, H, P, D)
     return TraceAnalysis(
         trace=trace.name, prompt_len=len(trace.prompt_ids), rule=rule, policy=repr(pol), distance=distance,
-        is_global=is_global, recall=recall, prompt_mass=prompt_mass, beacon_cos=beacon_cos,
+        is_global=is_global, is_global_la=is_global_la, recall=recall, prompt_mass=prompt_mass, beacon_cos=beacon_cos,
         mass_by_distance=mass_by_distance.view(2, n_bins).float(), queries=queries,
         held_query_pos=torch.stack(held_pos) if held_pos else torch.full((n_tokens, Lyr, H, 0), -1),
         frozen=frozen, top_keys=top_keys,
@@ -239,6 +250,65 @@ def similarity_stats(a: TraceAnalysis, layer: int, head: int, window: tuple[int,
 
     return {"global-global": mean(g[:, None] & g[None]), "global-local": mean(g[:, None] & ~g[None]),
             "local-local": mean(~g[:, None] & ~g[None])}
+
+
+def clustering_stats(a: TraceAnalysis, window: tuple[int, int], is_global: Tensor | None = None) -> dict[str, float]:
+    """Do global queries cluster in pre-RoPE space? Measured over every (layer, head) in a window.
+
+    For each head, the pre-RoPE queries of the window's steps are compared by cosine similarity. Two
+    measures, pooled over the heads that hold both classes:
+
+    * mean similarity global–global, global–local and local–local (pairs weighted equally);
+    * nearest-neighbour purity: the share of global queries whose most similar *other* query in the
+      window is global too, against ``base``, the share a neighbour drawn at random would give
+      (``(n_g - 1) / (n - 1)`` per head). ``lift = purity / base``: 1 means no clustering; the paper's
+      premise (global queries resemble each other and differ from local ones) predicts well above 1.
+
+    Args:
+        a: The analysis.
+        window: ``(start, end)`` decode steps.
+        is_global: ``(S, L, H)`` the classes to test (default: the paper rule's, ``a.is_global``).
+
+    Returns:
+        ``global-global``, ``global-local``, ``local-local``, ``purity``, ``base``, ``lift``, ``heads``
+        (heads with both classes) and ``global_share`` (of the window's queries).
+    """
+    g_all = (a.is_global if is_global is None else is_global)[window[0] : window[1]]  # (W, L, H)
+    sums = dict.fromkeys(("gg", "gl", "ll", "n_gg", "n_gl", "n_ll", "hits", "base", "n_g"), 0.0)
+    heads = 0
+    n_layers, n_heads = g_all.shape[1:]
+    for layer in range(n_layers):
+        q = a.queries[layer, :, a.position(window[0]) : a.position(window[1])]  # (H, W, D)
+        sim = torch.nn.functional.normalize(q.float(), dim=-1) @ torch.nn.functional.normalize(q.float(), dim=-1).mT
+        W = sim.shape[-1]
+        sim.diagonal(dim1=-2, dim2=-1).fill_(float("nan"))  # a query is not its own neighbour
+        for head in range(n_heads):
+            g = g_all[:, layer, head]
+            n_g = int(g.sum())
+            if n_g < 2 or n_g == W:
+                continue
+            heads += 1
+            m = sim[head]
+            pairs = {"gg": g[:, None] & g[None], "gl": g[:, None] & ~g[None], "ll": ~g[:, None] & ~g[None]}
+            for key, mask in pairs.items():
+                vals = m[mask]
+                vals = vals[~torch.isnan(vals)]
+                sums[key] += float(vals.sum())
+                sums["n_" + key] += vals.numel()
+            nearest = m[g].nan_to_num(-2.0).argmax(-1)  # nearest other query of each global one
+            sums["hits"] += float(g[nearest].sum())
+            sums["base"] += n_g * (n_g - 1) / (W - 1)
+            sums["n_g"] += n_g
+
+    def ratio(num: float, den: float) -> float:
+        return num / den if den else float("nan")
+
+    purity, base = ratio(sums["hits"], sums["n_g"]), ratio(sums["base"], sums["n_g"])
+    return {
+        "global-global": ratio(sums["gg"], sums["n_gg"]), "global-local": ratio(sums["gl"], sums["n_gl"]),
+        "local-local": ratio(sums["ll"], sums["n_ll"]), "purity": purity, "base": base,
+        "lift": ratio(purity, base), "heads": float(heads), "global_share": float(g_all.float().mean()),
+    }
 
 
 # ------------------------------------------------------------------------------- figures
@@ -421,6 +491,21 @@ def summary_text(a: TraceAnalysis, window: tuple[int, int], layer: int, head: in
                      f"of {int(g.any(-1).any(-1).sum())} steps with a global query")
         lines.append(f"  max pre-RoPE cosine similarity to the held beacons / observation set: "
                      f"local {mean(a.beacon_cos, ~g)}, global {mean(a.beacon_cos, g)}")
+    la = a.is_global_la
+    n_la = int(la.sum())
+    lines += [
+        f"length-aware rule: {n_la} of {n} global ({100 * n_la / n:.2f}%); recall local {mean(a.recall, ~la)}, "
+        f"global {mean(a.recall, la)}; max cosine to the held beacons: local {mean(a.beacon_cos, ~la)}, "
+        f"global {mean(a.beacon_cos, la)}",
+    ]
+    for name, classes in (("paper rule", a.is_global), ("length-aware rule", la)):
+        c = clustering_stats(a, window, classes)
+        lines.append(
+            f"clustering, {name}, steps {window[0]}–{window[1]}, {int(c['heads'])} heads with both classes "
+            f"({100 * c['global_share']:.1f}% global): pre-RoPE cosine global-global {c['global-global']:.3f}, "
+            f"global-local {c['global-local']:.3f}, local-local {c['local-local']:.3f}; nearest neighbour of a "
+            f"global query is global {c['purity']:.3f} vs {c['base']:.3f} at random (lift {c['lift']:.2f})"
+        )
     sims = similarity_stats(a, layer, head, window)
     n_g = int(a.is_global[window[0] : window[1], layer, head].sum())
     lines.append(f"window steps {window[0]}–{window[1]}, layer {layer} head {head} ({n_g} global of "
@@ -486,7 +571,8 @@ def run_analyze(args: argparse.Namespace) -> int:
     for name, val, hi in limits:
         if val is not None and not 0 <= val < hi:
             raise FidelityError(f"{name}={val} is out of range; the model has {hi} (0 .. {hi - 1}).")
-    a = analyze_trace(model, trace, args.tokens, rule, policy, progress=not args.no_progress)
+    sparse_rule = LengthAwareRule(args.top_k, args.la_fraction, args.la_recent, args.la_mass)
+    a = analyze_trace(model, trace, args.tokens, rule, policy, progress=not args.no_progress, sparse_rule=sparse_rule)
     layer, head = mixed_head(a, window)
     layer = args.layer if args.layer is not None else layer
     head = args.head if args.head is not None else head

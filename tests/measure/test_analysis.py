@@ -10,14 +10,16 @@ import torch
 
 import beaconkv
 from beaconkv.measure.analysis import (
+    TraceAnalysis,
     add_analyze_arguments,
     analyze_trace,
+    clustering_stats,
     distance_bin,
     mixed_head,
     parse_window,
     run_analyze,
 )
-from beaconkv.measure.fidelity import FidelityError, GlobalQueryRule, Trace
+from beaconkv.measure.fidelity import FidelityError, GlobalQueryRule, LengthAwareRule, Trace
 from beaconkv.policies import make_policy
 
 
@@ -48,7 +50,8 @@ def test_analysis_records_every_query_and_the_beacons_held(llama):
     output = torch.randint(3, 97, (48,), generator=g).tolist()
     trace = Trace("t", prompt, output)
     spec = make_policy("beacon", 16, n_beacon=2, n_recent=2)
-    a = analyze_trace(llama, trace, 48, GlobalQueryRule(top_k=4, threshold=6.0), spec, progress=False)
+    la = LengthAwareRule(top_k=4, fraction=0.1, recent=4, mass=0.3)
+    a = analyze_trace(llama, trace, 48, GlobalQueryRule(top_k=4, threshold=6.0), spec, progress=False, sparse_rule=la)
     cfg = llama.config
     shape = (48, cfg.num_hidden_layers, cfg.num_attention_heads)
     assert a.distance.shape == a.is_global.shape == a.recall.shape == shape
@@ -62,6 +65,10 @@ def test_analysis_records_every_query_and_the_beacons_held(llama):
     assert a.queries.shape[2] == 12 + 48 and bool(a.queries[:, :, -1].abs().sum() > 0)
     assert a.held_query_pos.shape[-1] == 2 and bool(a.frozen.any()) and not bool(a.frozen.all())
     assert not torch.isnan(a.beacon_cos).all()
+    assert a.is_global_la.shape == shape
+    position = (12 + torch.arange(48)).view(48, 1, 1).expand(shape)
+    assert 0 < int(a.is_global_la.sum()) < a.is_global_la.numel()
+    assert bool((a.distance[a.is_global_la] > 0.1 * (position[a.is_global_la] + 1)).all())  # far, relative to t
     n_g = a.is_global.sum(0)
     balance = torch.minimum(n_g, 48 - n_g)
     layer, head = mixed_head(a, (0, 48))
@@ -92,3 +99,32 @@ def test_analyze_cli_reports_bad_values(tmp_path, capsys):
     assert "beaconkv analyze: error: --layer=99" in capsys.readouterr().err
     assert main(["analyze", "--low-sim-quantile", "0", "--out", str(tmp_path)]) == 2
     assert "beaconkv analyze: error: --low-sim-quantile=0" in capsys.readouterr().err
+
+
+def _analysis_with_queries(queries, is_global):
+    """A TraceAnalysis holding given pre-RoPE queries (L, H, W, D) for W steps and a prompt of 0 tokens."""
+    W = queries.shape[2]
+    L, H = queries.shape[:2]
+    z = torch.zeros(W, L, H)
+    return TraceAnalysis(trace="t", prompt_len=0, rule=GlobalQueryRule(), policy="p", distance=z,
+                         is_global=is_global, is_global_la=is_global, recall=z, prompt_mass=z, beacon_cos=z,
+                         mass_by_distance=torch.zeros(2, 4), queries=queries, held_query_pos=torch.zeros(W, L, H, 0),
+                         frozen=torch.zeros(W, dtype=torch.bool))
+
+
+def test_clustering_finds_clustered_global_queries_and_no_lift_for_random_classes():
+    g = torch.Generator().manual_seed(0)
+    W, D = 200, 16
+    is_global = (torch.rand(W, 1, 1, generator=g) < 0.3)
+    centre_g, centre_l = torch.randn(D, generator=g), torch.randn(D, generator=g)
+    q = torch.where(is_global.view(W, 1), centre_g, centre_l) + 0.3 * torch.randn(W, D, generator=g)
+    a = _analysis_with_queries(q.view(1, 1, W, D), is_global)
+    c = clustering_stats(a, (0, W))
+    assert c["heads"] == 1 and c["purity"] == pytest.approx(1.0)
+    assert c["base"] == pytest.approx((int(is_global.sum()) - 1) / (W - 1))
+    assert c["lift"] > 2.5 and c["global-global"] > c["global-local"] < c["local-local"]
+    # classes drawn independently of the queries: no clustering beyond chance
+    shuffled = torch.rand(W, 1, 1, generator=g) < 0.3
+    iso = _analysis_with_queries(torch.randn(1, 1, W, D, generator=g), shuffled)
+    r = clustering_stats(iso, (0, W))
+    assert 0.4 < r["lift"] < 1.6 and abs(r["global-global"] - r["global-local"]) < 0.05
