@@ -236,11 +236,12 @@ def test_cli_runs_end_to_end_on_short_real_traces(tmp_path, capsys):
     out = tmp_path / "fid"
     args = parser.parse_args([
         "--num-traces", "2", "--tokens", "16", "--budgets", "8,16", "--policies", "beacon,snapkv",
-        "--top-k", "8", "--global-threshold", "12", "--out", str(out), "--no-progress", "--threads", "1",
+        "--top-k", "8", "--global-threshold", "12", "--out", str(out), "--no-progress", "--threads", "1", "--oracle",
     ])
     assert run_fidelity(args) == 0
     rows = list(csv.DictReader((out / "fidelity.csv").open()))
-    assert len(rows) == 4 * 3  # (2 policies x 2 budgets) x (all + 2 traces)
+    assert len(rows) == 6 * 3  # (2 policies + the oracle) x 2 budgets x (all + 2 traces)
+    assert {r["budget"] for r in rows if r["policy"] == "oracle"} == {"8", "16"}
     assert {r["n_recent"] for r in rows} == {"1", "2"}
     assert all(0.0 <= float(r["recall"]) <= 1.0 + 1e-6 and float(r["kl"]) >= -1e-6 for r in rows)
     for name in ("fidelity.md", "fidelity.png", "fidelity_kl.png", "fidelity_recall_global.png", "run.json"):

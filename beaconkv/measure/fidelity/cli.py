@@ -25,6 +25,7 @@ from ...policies.registry import policy_names
 from ...tokenizer import Tokenizer, load_tokenizer
 from .errors import FidelityError
 from .metrics import GlobalQueryRule, LengthAwareRule
+from .oracle import oracle_runs, record_future_attention
 from .report import POLICY_ORDER, markdown_table, plot_fidelity, write_csv
 from .study import ablation_runs, measure_fidelity, study_runs
 from .traces import (
@@ -115,6 +116,10 @@ def add_fidelity_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     p.add_argument("--study", choices=("grid", "ablations"), default="grid",
                    help="grid (default): --policies x --budgets; ablations: the paper's ablations at the first budget "
                         "((16,16), (1,31), (28,4), (0,32), mean aggregation, Naive FPS, K-Means)")
+    p.add_argument("--oracle", action="store_true",
+                   help="also run a hindsight oracle per budget: it keeps what the FullKV reference's later queries "
+                        "attend most (a ceiling for eviction; a first FullKV pass, memory layers x steps x traces "
+                        "x kv heads x positions x 4 B)")
     p.add_argument("--policies", type=str_list, default=list(POLICY_ORDER),
                    help=f"comma-separated registry names (default: the paper's set, {','.join(POLICY_ORDER)}; "
                         f"all: {','.join(n for n in policy_names() if n != 'full')})")
@@ -154,7 +159,10 @@ def run_fidelity(args: argparse.Namespace) -> int:
     else:
         runs = study_runs(args.policies, args.budgets, args.n_recent, args.n_beacon, args.n_prefix)
     model, _, traces = load_model_and_traces(args)
-    forced_tokens(traces, args.tokens)
+    tokens = forced_tokens(traces, args.tokens)
+    if args.oracle:
+        future = record_future_attention(model, [t.prompt_ids for t in traces], tokens)
+        runs = runs + oracle_runs(future, args.budgets, args.n_recent, args.n_prefix)
     print(f"forcing {len(traces)} trace(s) ({', '.join(t.name for t in traces)}), {args.tokens} tokens each, "
           f"prompts {[len(t.prompt_ids) for t in traces]} tokens; {len(runs)} runs + FullKV"
           + (f", {args.kv_storage} KV storage" if args.kv_storage != "dense" else ""), file=sys.stderr)
