@@ -252,27 +252,34 @@ def similarity_stats(a: TraceAnalysis, layer: int, head: int, window: tuple[int,
             "local-local": mean(~g[:, None] & ~g[None])}
 
 
-def clustering_stats(a: TraceAnalysis, window: tuple[int, int], is_global: Tensor | None = None) -> dict[str, float]:
+def clustering_stats(
+    a: TraceAnalysis, window: tuple[int, int], is_global: Tensor | None = None, min_gap: int = 16
+) -> dict[str, float]:
     """Do global queries cluster in pre-RoPE space? Measured over every (layer, head) in a window.
 
     For each head, the pre-RoPE queries of the window's steps are compared by cosine similarity. Two
     measures, pooled over the heads that hold both classes:
 
     * mean similarity global–global, global–local and local–local (pairs weighted equally);
-    * nearest-neighbour purity: the share of global queries whose most similar *other* query in the
-      window is global too, against ``base``, the share a neighbour drawn at random would give
-      (``(n_g - 1) / (n - 1)`` per head). ``lift = purity / base``: 1 means no clustering; the paper's
+    * nearest-neighbour purity: the share of global queries whose most similar query in the window,
+      at least ``min_gap`` steps away, is global too (the gap keeps a query's immediate neighbours —
+      similar because adjacent, and often of the same class because classes come in runs — from
+      counting as a cluster), against ``base``, the share a neighbour drawn at random from the same
+      eligible queries would give. ``lift = purity / base``: 1 means no clustering; the paper's
       premise (global queries resemble each other and differ from local ones) predicts well above 1.
 
     Args:
         a: The analysis.
         window: ``(start, end)`` decode steps.
         is_global: ``(S, L, H)`` the classes to test (default: the paper rule's, ``a.is_global``).
+        min_gap: Smallest step distance of a neighbour (>= 1; the similarity means use every pair).
 
     Returns:
         ``global-global``, ``global-local``, ``local-local``, ``purity``, ``base``, ``lift``, ``heads``
         (heads with both classes) and ``global_share`` (of the window's queries).
     """
+    if min_gap < 1:
+        raise FidelityError(f"min_gap={min_gap} must be >= 1 (1 = any other query).")
     g_all = (a.is_global if is_global is None else is_global)[window[0] : window[1]]  # (W, L, H)
     sums = dict.fromkeys(("gg", "gl", "ll", "n_gg", "n_gl", "n_ll", "hits", "base", "n_g"), 0.0)
     heads = 0
@@ -282,6 +289,9 @@ def clustering_stats(a: TraceAnalysis, window: tuple[int, int], is_global: Tenso
         sim = torch.nn.functional.normalize(q.float(), dim=-1) @ torch.nn.functional.normalize(q.float(), dim=-1).mT
         W = sim.shape[-1]
         sim.diagonal(dim1=-2, dim2=-1).fill_(float("nan"))  # a query is not its own neighbour
+        steps = torch.arange(W)
+        near = (steps[:, None] - steps[None]).abs() < min_gap  # (W, W) too close to be a neighbour
+        eligible = (~near).float()
         for head in range(n_heads):
             g = g_all[:, layer, head]
             n_g = int(g.sum())
@@ -295,10 +305,12 @@ def clustering_stats(a: TraceAnalysis, window: tuple[int, int], is_global: Tenso
                 vals = vals[~torch.isnan(vals)]
                 sums[key] += float(vals.sum())
                 sums["n_" + key] += vals.numel()
-            nearest = m[g].nan_to_num(-2.0).argmax(-1)  # nearest other query of each global one
+            rows = g & (eligible.sum(-1) > 0)
+            nearest = m[rows].masked_fill(near[rows], float("nan")).nan_to_num(-2.0).argmax(-1)
             sums["hits"] += float(g[nearest].sum())
-            sums["base"] += n_g * (n_g - 1) / (W - 1)
-            sums["n_g"] += n_g
+            # chance: the global share among each such query's eligible neighbours
+            sums["base"] += float(((eligible[rows] @ g.float()) / eligible[rows].sum(-1)).sum())
+            sums["n_g"] += int(rows.sum())
 
     def ratio(num: float, den: float) -> float:
         return num / den if den else float("nan")
@@ -504,7 +516,8 @@ def summary_text(a: TraceAnalysis, window: tuple[int, int], layer: int, head: in
             f"clustering, {name}, steps {window[0]}–{window[1]}, {int(c['heads'])} heads with both classes "
             f"({100 * c['global_share']:.1f}% global): pre-RoPE cosine global-global {c['global-global']:.3f}, "
             f"global-local {c['global-local']:.3f}, local-local {c['local-local']:.3f}; nearest neighbour of a "
-            f"global query is global {c['purity']:.3f} vs {c['base']:.3f} at random (lift {c['lift']:.2f})"
+            f"global query (16+ steps away) is global {c['purity']:.3f} vs {c['base']:.3f} at random "
+            f"(lift {c['lift']:.2f})"
         )
     sims = similarity_stats(a, layer, head, window)
     n_g = int(a.is_global[window[0] : window[1], layer, head].sum())

@@ -121,7 +121,17 @@ def test_clustering_finds_clustered_global_queries_and_no_lift_for_random_classe
     a = _analysis_with_queries(q.view(1, 1, W, D), is_global)
     c = clustering_stats(a, (0, W))
     assert c["heads"] == 1 and c["purity"] == pytest.approx(1.0)
-    assert c["base"] == pytest.approx((int(is_global.sum()) - 1) / (W - 1))
+    n_g = int(is_global.sum())
+    assert c["base"] == pytest.approx((n_g - 1) / (W - 1), abs=0.02)  # about the global share
+    # classes that come in runs over adjacent, similar queries: a cluster only at gap 1
+    t = torch.arange(W, dtype=torch.float32)
+    drift = torch.randn(D, generator=g) + 0.15 * torch.randn(W, D, generator=g).cumsum(0)  # a random walk
+    runs = ((t // 10) % 3 == 0).view(W, 1, 1)  # global in runs of 10 steps
+    walk = _analysis_with_queries(drift.view(1, 1, W, D), runs)
+    assert clustering_stats(walk, (0, W), min_gap=1)["lift"] > 2.0
+    assert clustering_stats(walk, (0, W), min_gap=20)["lift"] < 1.3
+    with pytest.raises(FidelityError, match="min_gap"):
+        clustering_stats(walk, (0, W), min_gap=0)
     assert c["lift"] > 2.5 and c["global-global"] > c["global-local"] < c["local-local"]
     # classes drawn independently of the queries: no clustering beyond chance
     shuffled = torch.rand(W, 1, 1, generator=g) < 0.3
