@@ -106,6 +106,9 @@ for _cls in (FullKV, BeaconKV, InitialRecent, SnapKV, RPC, RKV, H2O, StreamingLL
 #: Variants beyond the paper that are a setting of BeaconKV (docs/benchmarks.md, "Beyond the paper").
 register_policy("beacon_lse", BeaconKV, aggregation="logsumexp", temperature=0.02)
 register_policy("beacon_evictable", BeaconKV, normalize="evictable")
+#: The paper's mean-aggregation ablation, by name: better than max on this project's runs, more so with
+#: more beacons (``--n-beacon``); see docs/benchmarks.md, "Variants beyond the paper".
+register_policy("beacon_mean", BeaconKV, aggregation="mean")
 #: The two that moved the standard run's figures, together: soft aggregation, scores that decay over cycles.
 register_policy("beacon_lse_memory", MemoryBeaconKV, aggregation="logsumexp", temperature=0.02)
 

@@ -22,9 +22,9 @@ from beaconkv.policies.samplers import FPS, ContinualFPS, KMeans, NaiveFPS
 from .driver import drive
 
 POLICIES = ["beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming", "beacon_group", "beacon_event",
-            "beacon_lse", "beacon_evictable", "beacon_memory", "beacon_lse_memory"]
+            "beacon_lse", "beacon_evictable", "beacon_memory", "beacon_lse_memory", "beacon_mean"]
 BEACONS = {"beacon", "initial_recent", "beacon_group", "beacon_event", "beacon_lse", "beacon_evictable", "beacon_memory",
-           "beacon_lse_memory"}
+           "beacon_lse_memory", "beacon_mean"}
 
 
 @st.composite

@@ -82,6 +82,17 @@ def test_the_combination_is_memory_scores_with_logsumexp_aggregation():
     assert policy_defaults("beacon_lse_memory")["aggregation"] == "logsumexp"
 
 
+def test_mean_aggregation_averages_over_the_beacons_and_the_group():
+    w = torch.rand(2, 3, 2, 5, 17)  # (b, kv, group, n, C)
+    mask = torch.tensor([[True, True, True, False, False], [True] * 5])
+    w[0, :, :, 3:] = 0.0  # missing queries carry zero rows (the contract of reduce_queries)
+    got = reduce_group(reduce_queries(w, mask, "mean"), "mean")
+    expected = torch.stack([w[0, :, :, :3].mean(2), w[1].mean(2)]).mean(2)  # held beacons only, then the group
+    torch.testing.assert_close(got, expected)
+    policy = make_policy("beacon_mean", 128, n_beacon=64)
+    assert (policy.aggregation, policy.n_beacon) == ("mean", 64) and policy_defaults("beacon_mean")["aggregation"] == "mean"
+
+
 def test_event_refresh_takes_in_a_far_looking_query_and_ignores_a_local_one():
     policy = EventBeaconKV(64, n_beacon=2, n_recent=8, n_events=2, event_mass=0.5, event_window=4)
     B, n_kv, G, D, C = 1, 1, 2, 4, 96
