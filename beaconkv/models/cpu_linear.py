@@ -144,6 +144,9 @@ def copy_with_linears(module: nn.Module, make_linear: Callable[[nn.Linear], nn.M
 #: The values of ``kernels`` (``generate``, :class:`~beaconkv.engine.Engine`, ``--kernels``).
 KERNELS = ("auto", "model", "packed", "bf16w")
 
+#: How reports name each chosen kernel (what runs, not the option's name).
+KERNEL_LABELS = {"model": "the model's own", "packed": "packed fp32", "bf16w": "bf16 weights, fp32 arithmetic"}
+
 #: ``kernels="auto"`` switches to the batched CPU kernels from this many rows per decode step on
 #: (see :func:`choose_kernels`).
 PACK_MIN_ROWS = 4

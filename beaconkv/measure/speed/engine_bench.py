@@ -35,6 +35,7 @@ import torch
 from ...engine import Completion, Engine, Request
 from ...execution import CompileConfig
 from ...models.bf16w import bf16w_available
+from ...models.cpu_linear import KERNEL_LABELS
 from ...models.decoder import CausalLM
 from ...models.loading import load_model
 from ...models.random_weights import random_model
@@ -314,7 +315,7 @@ def markdown_engine(rows: Sequence[EngineRow], workload: dict[str, Any]) -> str:
     for r in rows:
         util = "—" if r.utilisation != r.utilisation else f"{100 * r.utilisation:.0f}%"
         label = r.policy if r.budget is None else f"{r.policy} ({r.budget})"
-        kernels = {"packed": "packed fp32", "bf16w": "bf16w"}.get(r.kernels, "model")
+        kernels = KERNEL_LABELS.get(r.kernels, r.kernels)
         lines.append(f"| {r.mode} | {label} | {r.slots} | {kernels} | {r.kv_bytes / 2**20:.1f} | {r.tokens_per_s:.1f} | "
                      f"{r.ttft_mean_s:.1f} | {r.ttft_p90_s:.1f} | {util} | {r.evictions} |")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ...models.cpu_linear import KERNEL_LABELS
 from .table4 import markdown_table4
 
 
@@ -32,8 +33,8 @@ def markdown_report(results: dict[str, Any]) -> str:
             if r["error"]:
                 out.append(f"| {r['impl']} | {r['dtype']} | {r['batch']} | — | — | — | {r['error'][:60]} |")
             else:
-                kind = {"packed": f"{r['dtype']} → packed fp32", "bf16w": f"{r['dtype']} weights, fp32 arithmetic"}.get(
-                    r.get("kernels", "model"), r["dtype"])
+                kernels = r.get("kernels", "model")
+                kind = r["dtype"] if kernels == "model" else f"{r['dtype']}: {KERNEL_LABELS[kernels]}"
                 out.append(f"| {r['impl']} | {kind} | {r['batch']} | {_fmt(r['ms_per_step'])} | "
                            f"{_fmt(r['tokens_per_s'])} | {_fmt(r['gb_per_s'], 2)} | {100 * r['roofline']:.0f}% |")
         out.append("")

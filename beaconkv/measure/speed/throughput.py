@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ...execution import CompileConfig
+from ...models.cpu_linear import KERNEL_LABELS
 from ...models.decoder import CausalLM
 from ...models.loading import load_model
 from .machine import (
@@ -169,6 +170,6 @@ def measure_throughput(
                     row.error = f"{type(err).__name__}: {first[:200]}"
                 log(f"  {impl:28s} {dname} batch {batch}: " + (row.error or
                     f"{row.ms_per_step:.1f} ms/step, {row.tokens_per_s:.1f} tok/s, {row.gb_per_s:.2f} GB/s"
-                    + {"packed": " (packed fp32 linears)", "bf16w": " (bf16 weights, fp32 arithmetic)"}.get(row.kernels, "")))
+                    + ("" if row.kernels == "model" else f" ({KERNEL_LABELS.get(row.kernels, row.kernels)})")))
                 rows.append(row)
     return rows
