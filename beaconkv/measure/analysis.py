@@ -142,6 +142,7 @@ def analyze_trace(
     rule = rule or GlobalQueryRule()
     sparse_rule = sparse_rule or LengthAwareRule(top_k=rule.top_k)
     shared_k = sparse_rule.top_k == rule.top_k  # one top-K serves both rules
+    prompt_len = torch.tensor(len(trace.prompt_ids)).view(1, 1)
     pol = policy or make_policy("beacon", 128, n_beacon=16, n_recent=16)
     tokens = forced_tokens([trace], n_tokens)
     P = len(trace.prompt_ids) + n_tokens
@@ -173,8 +174,7 @@ def analyze_trace(
         dist = rule.distance(w, kp, out.query_pos.view(1, 1)).reshape(Lyr, H)
         glob = dist > rule.threshold
         distance[s], is_global[s] = dist, glob
-        plen = torch.tensor(len(trace.prompt_ids)).view(1, 1)
-        is_global_la[s] = sparse_rule.is_global(w, kp, out.query_pos.view(1, 1), plen,
+        is_global_la[s] = sparse_rule.is_global(w, kp, out.query_pos.view(1, 1), prompt_len,
                                                 distance=dist.view(w.shape[:-1]) if shared_k else None).reshape(Lyr, H)
         recall[s] = held_attention_mass(w, kp, out.held_pos[0][:, 0]).reshape(Lyr, H)
         prompt_mass[s] = (w * ((kp >= 0) & (kp < len(trace.prompt_ids))).unsqueeze(-2)).sum(-1).reshape(Lyr, H)
@@ -283,15 +283,15 @@ def clustering_stats(
     g_all = (a.is_global if is_global is None else is_global)[window[0] : window[1]]  # (W, L, H)
     sums = dict.fromkeys(("gg", "gl", "ll", "n_gg", "n_gl", "n_ll", "hits", "base", "n_g"), 0.0)
     heads = 0
-    n_layers, n_heads = g_all.shape[1:]
+    W, n_layers, n_heads = g_all.shape
+    steps = torch.arange(W)
+    near = (steps[:, None] - steps[None]).abs() < min_gap  # (W, W) too close to be a neighbour
+    eligible = (~near).float()
     for layer in range(n_layers):
         q = a.queries[layer, :, a.position(window[0]) : a.position(window[1])]  # (H, W, D)
-        sim = torch.nn.functional.normalize(q.float(), dim=-1) @ torch.nn.functional.normalize(q.float(), dim=-1).mT
-        W = sim.shape[-1]
+        unit = torch.nn.functional.normalize(q.float(), dim=-1)
+        sim = unit @ unit.mT
         sim.diagonal(dim1=-2, dim2=-1).fill_(float("nan"))  # a query is not its own neighbour
-        steps = torch.arange(W)
-        near = (steps[:, None] - steps[None]).abs() < min_gap  # (W, W) too close to be a neighbour
-        eligible = (~near).float()
         for head in range(n_heads):
             g = g_all[:, layer, head]
             n_g = int(g.sum())
