@@ -34,8 +34,9 @@ from .traces import (
 )
 
 __all__ = [
-    "METRICS", "POLICY_ORDER", "FidelityError", "FidelityRow", "GlobalQueryRule", "LengthAwareRule", "LockStep", "Run", "StepOutput",
-    "Trace", "attention_distance", "auto_n_recent", "forced_tokens", "generate_traces", "held_attention_mass",
-    "held_attention_masses",     "kl_divergence", "load_traces", "markdown_table", "measure_fidelity", "plot_fidelity", "read_trace_records",
-    "select_records", "study_runs", "trace_from_record", "write_csv",
+    "METRICS", "POLICY_ORDER", "FidelityError", "FidelityRow", "GlobalQueryRule", "LengthAwareRule", "LockStep",
+    "Run", "StepOutput", "Trace", "attention_distance", "auto_n_recent", "forced_tokens", "generate_traces",
+    "held_attention_mass", "held_attention_masses", "kl_divergence", "load_traces", "markdown_table",
+    "measure_fidelity", "plot_fidelity", "read_trace_records", "select_records", "study_runs", "trace_from_record",
+    "write_csv",
 ]

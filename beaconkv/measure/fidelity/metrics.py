@@ -200,25 +200,6 @@ def held_attention_masses(
     return torch.bmm(w, m).permute(2, 0, 1).reshape(len(held_pos), *weights.shape[:-1])
 
 
-def held_mask(key_pos: Tensor, held_pos: Tensor) -> Tensor:
-    """Whether each reference slot's position is among another cache's held positions.
-
-    A binary search per slot (no host read, memory ``O(C + C')`` per row): the held positions are
-    sorted (empties last) and each reference position looked up.
-
-    Args:
-        key_pos: ``(..., C)`` reference positions (``-1`` empty: never held).
-        held_pos: ``(..., C')`` held positions (``-1`` empty), in any order.
-
-    Returns:
-        ``(..., C)`` bool.
-    """
-    never = torch.iinfo(held_pos.dtype).max
-    ordered = torch.sort(torch.where(held_pos >= 0, held_pos, never), dim=-1).values
-    idx = torch.searchsorted(ordered, key_pos.contiguous()).clamp(max=ordered.shape[-1] - 1)
-    return (torch.gather(ordered, -1, idx) == key_pos) & (key_pos >= 0)
-
-
 def attention_distance(weights: Tensor, key_pos: Tensor, query_pos: Tensor, top_k: int = 150) -> Tensor:
     """Mean ``query_pos - key_pos`` over each query's ``top_k`` most attended keys.
 
