@@ -147,6 +147,20 @@ def test_bad_settings_name_the_value():
         forced_tokens([Trace("t", [1, 2], [5, 6, 7])], 4)
 
 
+def test_n_beacon_as_a_multiple_of_n_recent():
+    runs = study_runs(["beacon_mean", "snapkv"], [64, 128], n_beacon="8x")
+    assert [(r.name, r.policy.budget, r.policy.n_recent, getattr(r.policy, "n_beacon", None)) for r in runs] == [
+        ("beacon_mean", 64, 8, 64), ("beacon_mean", 128, 16, 128), ("snapkv", 64, 8, None), ("snapkv", 128, 16, None)]
+    for bad in ("x8", "8y", "-1x"):
+        with pytest.raises(FidelityError, match="multiple of n_recent"):
+            study_runs(["beacon"], [64], n_beacon=bad)
+    parser = add_fidelity_arguments(argparse.ArgumentParser())
+    assert parser.parse_args(["--n-beacon", "8X"]).n_beacon == "8x"
+    assert parser.parse_args(["--n-beacon", "12"]).n_beacon == 12 and parser.parse_args([]).n_beacon is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--n-beacon", "ax"])
+
+
 def test_auto_n_recent_scales_small_budgets():
     assert [auto_n_recent(b) for b in (64, 96, 128, 256, 512)] == [8, 12, 16, 16, 16]
     runs = study_runs(["beacon", "snapkv", "full"], [64, 128])

@@ -27,7 +27,7 @@ from .errors import FidelityError
 from .metrics import GlobalQueryRule, LengthAwareRule
 from .oracle import oracle_runs, record_future_attention
 from .report import POLICY_ORDER, markdown_table, plot_fidelity, write_csv
-from .study import ablation_runs, measure_fidelity, study_runs
+from .study import ablation_runs, beacon_count, measure_fidelity, study_runs
 from .traces import (
     Trace,
     forced_tokens,
@@ -101,6 +101,17 @@ def load_model_and_traces(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer
     return model, tok, traces
 
 
+def beacon_count_argument(text: str) -> int | str | None:
+    """``--n-beacon``: an int, ``auto`` (None), or ``"<k>x"`` (k times ``n_recent``; an argparse type)."""
+    if text.strip().lower().endswith("x"):
+        try:
+            beacon_count(text, 1)
+        except FidelityError as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+        return text.strip().lower()
+    return int_or_auto(text)
+
+
 def add_fidelity_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the ``beaconkv fidelity`` options to ``parser``.
 
@@ -127,8 +138,9 @@ def add_fidelity_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="comma-separated budgets (default 64,128,256,512)")
     p.add_argument("--n-recent", type=int_or_auto, default=None,
                    help="recent tokens kept; 'auto' (default) = 16, or budget // 8 where 16 is invalid")
-    p.add_argument("--n-beacon", type=int_or_auto, default=None,
-                   help="beacons of beacon/initial_recent (default: = n_recent)")
+    p.add_argument("--n-beacon", type=beacon_count_argument, default=None,
+                   help="beacons of the BeaconKV-like policies: a count, or '<k>x' for k times n_recent at each "
+                        "budget (e.g. 8x; default: = n_recent)")
     p.add_argument("--n-prefix", type=int_or_auto, default=None,
                    help="protected prefix tokens (default 'prompt': the whole prompt)")
     o = parser.add_argument_group("output")

@@ -50,11 +50,31 @@ def auto_n_recent(budget: int, default: int = 16, ratio: float = 7 / 8) -> int:
     return default if budget - math.floor(ratio * budget) >= default else max(budget // 8, 1)
 
 
+def beacon_count(n_beacon: int | str | None, n_recent: int) -> int:
+    """Resolves a study's ``n_beacon`` setting for one budget's ``n_recent``.
+
+    Args:
+        n_beacon: A count; ``"<k>x"`` for ``k * n_recent``; or None for ``n_recent``.
+        n_recent: The budget's recent tokens.
+
+    Raises:
+        FidelityError: A string that is not ``"<k>x"`` with an integer ``k >= 0``.
+    """
+    if n_beacon is None:
+        return n_recent
+    if isinstance(n_beacon, str):
+        head = n_beacon.strip().lower().removesuffix("x")
+        if not n_beacon.strip().lower().endswith("x") or not head.isdigit():
+            raise FidelityError(f"n_beacon={n_beacon!r}: use a count (16) or a multiple of n_recent ('8x').")
+        return int(head) * n_recent
+    return n_beacon
+
+
 def study_runs(
     policies: Iterable[str],
     budgets: Iterable[int],
     n_recent: int | None = None,
-    n_beacon: int | None = None,
+    n_beacon: int | str | None = None,
     n_prefix: int | None = None,
     extra: dict[str, dict[str, Any]] | None = None,
 ) -> list[Run]:
@@ -64,7 +84,8 @@ def study_runs(
         policies: Registry names (``full`` is the reference and is skipped).
         budgets: Budgets (``B_max``).
         n_recent: Recent tokens kept; None = :func:`auto_n_recent` per budget.
-        n_beacon: Beacons of BeaconKV / Initial+Recent; None = ``n_recent`` (the paper's 16/16 split).
+        n_beacon: Beacons of BeaconKV-like policies: a count, ``"<k>x"`` for ``k * n_recent`` at each
+            budget (e.g. ``"8x"``), or None = ``n_recent`` (the paper's 16/16 split).
         n_prefix: Protected prefix; None = the whole prompt (SPEC default).
         extra: Per-policy extra constructor arguments.
 
@@ -87,7 +108,7 @@ def study_runs(
                 kw["n_prefix"] = n_prefix
             try:
                 if "n_beacon" in policy_parameters(name):
-                    kw["n_beacon"] = nr if n_beacon is None else n_beacon
+                    kw["n_beacon"] = beacon_count(n_beacon, nr)
                 kw.update((extra or {}).get(name, {}))
                 out.append(Run(name, make_policy(name, budget, **kw)))  # validated now, not after an hour
             except PolicyConfigError as err:
