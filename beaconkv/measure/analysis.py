@@ -43,6 +43,7 @@ from .fidelity.cli import add_trace_arguments, load_model_and_traces
 from .fidelity.errors import FidelityError
 from .fidelity.lockstep import LockStep
 from .fidelity.metrics import GlobalQueryRule, LengthAwareRule, held_attention_mass
+from .fidelity.metrics import prompt_mass as on_prompt
 from .fidelity.study import auto_n_recent
 from .fidelity.traces import Trace, forced_tokens
 
@@ -177,7 +178,7 @@ def analyze_trace(
         is_global_la[s] = sparse_rule.is_global(w, kp, out.query_pos.view(1, 1), prompt_len,
                                                 distance=dist.view(w.shape[:-1]) if shared_k else None).reshape(Lyr, H)
         recall[s] = held_attention_mass(w, kp, out.held_pos[0][:, 0]).reshape(Lyr, H)
-        prompt_mass[s] = (w * ((kp >= 0) & (kp < len(trace.prompt_ids))).unsqueeze(-2)).sum(-1).reshape(Lyr, H)
+        prompt_mass[s] = on_prompt(w, kp, prompt_len).reshape(Lyr, H)
         # attention mass per distance bin, split by the query's class
         bins = distance_bin(t - kp).unsqueeze(-2).expand_as(w)  # (L, kv, G, C)
         cls = glob.view(*w.shape[:-1], 1).expand_as(w).long()
@@ -252,8 +253,12 @@ def similarity_stats(a: TraceAnalysis, layer: int, head: int, window: tuple[int,
             "local-local": mean(~g[:, None] & ~g[None])}
 
 
+#: Default smallest step distance of a nearest neighbour in :func:`clustering_stats`.
+NEIGHBOUR_GAP = 16
+
+
 def clustering_stats(
-    a: TraceAnalysis, window: tuple[int, int], is_global: Tensor | None = None, min_gap: int = 16
+    a: TraceAnalysis, window: tuple[int, int], is_global: Tensor | None = None, min_gap: int = NEIGHBOUR_GAP
 ) -> dict[str, float]:
     """Do global queries cluster in pre-RoPE space? Measured over every (layer, head) in a window.
 
@@ -516,7 +521,7 @@ def summary_text(a: TraceAnalysis, window: tuple[int, int], layer: int, head: in
             f"clustering, {name}, steps {window[0]}–{window[1]}, {int(c['heads'])} heads with both classes "
             f"({100 * c['global_share']:.1f}% global): pre-RoPE cosine global-global {c['global-global']:.3f}, "
             f"global-local {c['global-local']:.3f}, local-local {c['local-local']:.3f}; nearest neighbour of a "
-            f"global query (16+ steps away) is global {c['purity']:.3f} vs {c['base']:.3f} at random "
+            f"global query ({NEIGHBOUR_GAP}+ steps away) is global {c['purity']:.3f} vs {c['base']:.3f} at random "
             f"(lift {c['lift']:.2f})"
         )
     sims = similarity_stats(a, layer, head, window)
