@@ -5,11 +5,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.attention import mixed_attention_applies
 from .base import KVStorage, StorageError, gather_slots, token_index
 
 
 class DenseKV(KVStorage):
     """Keys and values in ``storage_dtype`` (default: the compute dtype), cast at attention when they differ.
+
+    A bf16 cache under float32 compute on the CPU (the ``bf16w`` kernels' sessions) is attended
+    without the cast: :func:`~beaconkv.kernels.attention.mixed_attention` reads the bf16 slots once
+    and computes in float32, where the CPU kernels can be built.
 
     Args:
         batch: Sequences.
@@ -38,6 +43,7 @@ class DenseKV(KVStorage):
         shape = (batch, n_kv_heads, capacity, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=storage_dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=storage_dtype, device=device), persistent=False)
+        self.mixed = storage_dtype != dtype and mixed_attention_applies(dtype, storage_dtype, head_dim, self.device)
 
     def write(self, rows: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
         index = token_index(rows, slots, self.n_kv_heads)
@@ -59,6 +65,13 @@ class DenseKV(KVStorage):
 
     def values(self, rows: Tensor | None = None) -> Tensor:
         return self._read(self.v, rows)
+
+    def attend(self, q: Tensor, mask: Tensor, scale: float, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        if self.mixed and not need_weights and q.dtype == self.dtype:
+            # the operator itself (mixed_attention() checks the build, which a compiled step cannot trace;
+            # self.mixed says it is loaded)
+            return torch.ops.beaconkv_cpu.mixed_attention(q, self.k, self.v, mask, scale), None
+        return super().attend(q, mask, scale, need_weights)
 
     def compact(self, rows: Tensor, keep: Tensor) -> None:
         K = keep.shape[-1]

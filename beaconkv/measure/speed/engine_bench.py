@@ -35,7 +35,7 @@ import torch
 from ...engine import Completion, Engine, Request
 from ...execution import CompileConfig
 from ...models.bf16w import bf16w_available
-from ...models.cpu_linear import KERNEL_LABELS
+from ...models.cpu_linear import KERNEL_LABELS, KERNELS
 from ...models.decoder import CausalLM
 from ...models.loading import load_model
 from ...models.random_weights import random_model
@@ -172,11 +172,15 @@ def warmup_requests(prompts: list[list[int]], slots: int, budget: int | None, mo
 
 def run_engine_mode(model: CausalLM, tokenizer: Tokenizer, policy_name: str, budget: int | None,
                     prompts: list[list[int]], lengths: list[int], slots: int, static: bool,
-                    compile_config: CompileConfig | None, kv_storage: str = "dense") -> EngineRow:
-    """The workload through one engine; ``static`` admits a batch only when the previous one finished."""
+                    compile_config: CompileConfig | None, kv_storage: str = "dense", kernels: str = "auto") -> EngineRow:
+    """The workload through one engine; ``static`` admits a batch only when the previous one finished.
+
+    ``kernels`` is the engine's matmul choice (see :func:`~beaconkv.models.cpu_linear.choose_kernels`).
+    """
     policy = make_policy(policy_name, **policy_settings(budget))
     engine = Engine(model, tokenizer, policy=policy, max_batch=slots, prompt_capacity=max(map(len, prompts)),
-                    max_new_tokens=max(lengths), compile=compile_config or False, kv_storage=kv_storage)
+                    max_new_tokens=max(lengths), compile=compile_config or False, kv_storage=kv_storage,
+                    kernels=kernels)
     requests = [Request(p, n, eos_token_ids=[]) for p, n in zip(prompts, lengths)]
     warm0 = time.perf_counter()
     engine.run(warmup_requests(prompts, slots, budget, max(lengths)))
@@ -246,7 +250,7 @@ def run_transformers_mode(hf_model: Any, prompts: list[list[int]], lengths: list
 def measure_engine(
     model: CausalLM, tokenizer: Tokenizer, requests: int, min_new: int, max_new: int, memory_limit: float,
     budget: int, max_slots: int, compile_config: CompileConfig | None, hf_model: Any = None,
-    log: Callable[[str], None] = print, prompt_tokens: int = 128,
+    log: Callable[[str], None] = print, prompt_tokens: int = 128, kernels: str = "auto",
 ) -> tuple[list[EngineRow], dict[str, Any]]:
     """The engine section: FullKV and BeaconKV, engine and static, and transformers, under one memory limit.
 
@@ -263,6 +267,7 @@ def measure_engine(
         hf_model: The transformers model for the ``transformers`` row (None: skipped).
         log: Progress lines.
         prompt_tokens: Longest prompt taken (see :func:`workload_prompts`).
+        kernels: The engines' matmul kernels (``"auto"``, ``"model"``, ``"packed"``, ``"bf16w"``).
 
     Returns:
         The rows and the workload's description (lengths, prompt lengths, slots per policy).
@@ -279,7 +284,8 @@ def measure_engine(
     rows = []
     for name, b in (("full", None), ("beacon", budget)):
         for static in (False, True):
-            row = run_engine_mode(model, tokenizer, name, b, prompts, lengths, slots[name], static, compile_config)
+            row = run_engine_mode(model, tokenizer, name, b, prompts, lengths, slots[name], static, compile_config,
+                                  kernels=kernels)
             log(f"  {row.mode:7s} {name:6s} x{row.slots}: {row.tokens_per_s:.1f} tok/s, ttft {row.ttft_mean_s:.1f} s, "
                 f"utilisation {row.utilisation:.0%}, {row.wall_s:.0f} s")
             rows.append(row)
@@ -342,6 +348,9 @@ def add_engine_arguments(group: argparse._ArgumentGroup) -> None:
                        help="model dtype of the section (default: bf16 on CUDA, and on a CPU where the bf16-weight "
                             "kernel builds — the pools then run bf16w; fp32 on other CPUs, where a bf16 prefill "
                             "without native bf16 takes seconds per prompt). transformers' row runs fp32 on a CPU")
+    group.add_argument("--engine-kernels", default="auto", choices=KERNELS,
+                       help="matmul kernels of every pool (default auto: see choose_kernels); bf16w runs a bf16 "
+                            "model's weights with fp32 arithmetic, as auto does on a CPU without native bf16")
 
 
 def run_engine_section(args: argparse.Namespace, path: Path, device: torch.device,
@@ -362,7 +371,7 @@ def run_engine_section(args: argparse.Namespace, path: Path, device: torch.devic
         hf_model = load_hf_model(path, hf_dtype, device)
     rows, workload = measure_engine(model, tokenizer, args.engine_requests, args.engine_min_new, args.engine_max_new,
                                     limit, args.engine_budget, args.engine_max_slots, compile_config, hf_model, log,
-                                    prompt_tokens=args.engine_prompt_tokens)
+                                    prompt_tokens=args.engine_prompt_tokens, kernels=args.engine_kernels)
     return {"rows": [asdict(r) for r in rows], "workload": workload, "ratios": engine_targets(rows)}
 
 

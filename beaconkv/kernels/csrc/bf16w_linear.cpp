@@ -6,7 +6,7 @@
 // the bf16 model's bytes at fp32's instruction count. Past 8 rows (a wide pool, a prefill) the
 // work is compute-bound: the output columns are cut into tiles whose weights stay in cache while
 // every block of rows passes over them, and each block holds 3 columns x 4 rows of accumulators.
-// Built at first use by beaconkv/models/bf16w.py (torch.utils.cpp_extension); registered as
+// Built at first use by beaconkv/kernels/build.py (torch.utils.cpp_extension); registered as
 // beaconkv_cpu::bf16w_linear.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
