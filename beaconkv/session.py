@@ -19,6 +19,7 @@ counted (the cache's ``active`` mask, the state's ``live`` flags).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .cache import KVCache
-from .execution import CompileConfig, make_executor
+from .execution import CompileConfig, make_executor, resolve_compile_config
 from .models.cpu_linear import choose_kernels
 from .models.decoder import CausalLM
 from .policies.base import EvictionPolicy, FullKV
@@ -127,7 +128,12 @@ class Session:
         self.model = model
         self.policy = policy if policy is not None else FullKV()
         self.device = model.device
-        self.decoder, policy_executor = make_executor(compile, self.device)
+        config = resolve_compile_config(compile)
+        if config is not None and config.cpu_gemv and self.kernels.kernels != "model":
+            # the linears are extern kernels: inductor's matrix-vector pass has nothing of theirs to take,
+            # and with it on, compiled bf16w steps corrupted the heap on an AVX-512 CPU (torch 2.13)
+            config = dataclasses.replace(config, cpu_gemv=False)
+        self.decoder, policy_executor = make_executor(config, self.device)
         self.cache = KVCache.allocate(
             cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.num_attention_heads, capacity, cfg.head_dim,
             dtype=model.dtype, device=self.device,
