@@ -261,15 +261,13 @@ class LayerKVCache(nn.Module):
             keep_valid: ``(b, kv_heads, K)`` bool; False entries are dropped (they must come last, and
                 every KV head of a sequence must keep the same number of slots).
         """
-        K = keep.shape[-1]
         self.storage.compact(rows, keep)
-        new_pos = torch.where(keep_valid, torch.gather(self.pos[rows], 2, keep), -1)
-        self.pos[rows, :, :K] = new_pos
-        self.pos[rows, :, K:] = -1
-        for buf in self.slot_buffers.values():
-            kept = torch.where(keep_valid, torch.gather(buf[rows], 2, keep), 0)
-            buf[rows, :, :K] = kept
-            buf[rows, :, K:] = 0
+        # whole rows written through an index tensor: in place for those rows only once compiled
+        # (a slice assignment, pos[rows, :, :K] = ..., rewrites the whole buffer)
+        tail = self.capacity - keep.shape[-1]
+        for buf, empty in ((self.pos, -1), *((b, 0) for b in self.slot_buffers.values())):
+            kept = torch.where(keep_valid, torch.gather(buf[rows], 2, keep), empty)
+            buf.index_put_((rows,), torch.cat([kept, kept.new_full((*kept.shape[:2], tail), empty)], 2))
         self.length[rows] = keep_valid[:, 0].sum(-1)
 
     def nbytes(self) -> int:

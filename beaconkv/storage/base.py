@@ -151,6 +151,17 @@ def token_index(rows: Tensor, slots: Tensor, n_kv_heads: int) -> tuple[Tensor, T
     return rows[:, None, None], heads[None, :, None], slots[:, None, :]
 
 
+def put_front(buf: Tensor, rows: Tensor, values: Tensor) -> None:
+    """Writes ``values (b, kv_heads, K, ...)`` into slots ``[0, K)`` of sequences ``rows`` of ``buf``, in place.
+
+    Every index is an index tensor, so a compiled eviction writes those ``b`` sequences in place;
+    ``buf[rows, :, :K] = values`` (a slice) becomes a rewrite of the whole buffer once functionalised.
+    """
+    heads = torch.arange(values.shape[1], device=buf.device)
+    slots = torch.arange(values.shape[2], device=buf.device)
+    buf.index_put_((rows[:, None, None], heads[None, :, None], slots[None, None, :]), values)
+
+
 def gather_slots(buf: Tensor, rows: Tensor, keep: Tensor) -> Tensor:
     """``buf[rows]`` gathered along the slot axis (2) at ``keep (b, kv_heads, K)``; trailing dims follow."""
     sub = buf[rows]

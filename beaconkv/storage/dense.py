@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.attention import mixed_attention_applies
-from .base import KVStorage, StorageError, gather_slots, token_index
+from .base import KVStorage, StorageError, gather_slots, put_front, token_index
 
 
 class DenseKV(KVStorage):
@@ -74,9 +74,8 @@ class DenseKV(KVStorage):
         return super().attend(q, mask, scale, need_weights)
 
     def compact(self, rows: Tensor, keep: Tensor) -> None:
-        K = keep.shape[-1]
         for buf in (self.k, self.v):
-            buf[rows, :, :K] = gather_slots(buf, rows, keep)
+            put_front(buf, rows, gather_slots(buf, rows, keep))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, storage_dtype={self.storage_dtype}"

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import Tensor
 
-from .base import KVStorage, gather_slots, token_index
+from .base import KVStorage, gather_slots, put_front, token_index
 
 #: Largest quantised magnitude (symmetric range, -128 unused).
 QMAX = 127
@@ -108,6 +108,5 @@ class Int8KV(KVStorage):
         return out.to(q.dtype), (weights if need_weights else None)
 
     def compact(self, rows: Tensor, keep: Tensor) -> None:
-        K = keep.shape[-1]
         for buf in (self.k_q, self.v_q, self.k_scale, self.v_scale):
-            buf[rows, :, :K] = gather_slots(buf, rows, keep)
+            put_front(buf, rows, gather_slots(buf, rows, keep))
