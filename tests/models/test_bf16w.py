@@ -95,3 +95,15 @@ def test_auto_runs_bf16w_for_a_wide_bf16_batch_and_packs_fp32(bf16_llama, tiny_m
     assert choose_kernels(fp32, PACK_MIN_ROWS).kernels in ("packed", "model")  # never bf16w for fp32 weights
     with pytest.raises(ValueError, match="needs a bfloat16 CPU weight"):
         choose_kernels(fp32, 8, "bf16w")
+
+
+@needs_kernel
+def test_a_compiled_session_on_the_projects_kernels_leaves_inductors_gemv_pass_off(bf16_llama):
+    # its linears are extern kernels (nothing for the pass), and the pass corrupted the heap of a
+    # compiled bf16w step on an AVX-512 CPU; a session on the model's own kernels keeps it
+    from beaconkv.session import Session
+
+    ours = Session(bf16_llama, None, batch=PACK_MIN_ROWS, capacity=16, compile=True, kernels="bf16w")
+    own = Session(bf16_llama, None, batch=PACK_MIN_ROWS, capacity=16, compile=True, kernels="model")
+    assert ours.kernels.kernels == "bf16w" and not ours.decoder.config.cpu_gemv
+    assert own.decoder.config.cpu_gemv
