@@ -8,6 +8,7 @@ extensions folder. Where they cannot be built (no C++ compiler or ninja, not an 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("bf16w_linear.cpp", "mixed_attention.cpp"))
-"""The kernels' C++ sources, shipped with the package."""
+"""The kernels' C++ sources, shipped with the package (with the header they share, ``csrc/avx2_bf16.h``)."""
 
 _BUILD_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 _lock = threading.Lock()
@@ -51,6 +52,15 @@ def _ninja_dir() -> str | None:
     return str(beside) if (beside / "ninja").is_file() else None
 
 
+def _sources_digest() -> str:
+    """A short digest of every file in ``csrc/``: the build's name, so that a changed header rebuilds too
+    (torch's cache of built extensions compares the listed sources only)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).with_name("csrc").iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _build() -> str | None:
     """Builds and loads the extension; returns why it failed, or None."""
     reason = _unsupported_reason()
@@ -63,7 +73,7 @@ def _build() -> str | None:
     if ninja is not None and shutil.which("ninja") is None:  # torch looks for it on the PATH only
         os.environ["PATH"] = ninja + os.pathsep + os.environ.get("PATH", "")
     try:
-        cpp_extension.load(name="beaconkv_cpu_kernels", sources=[str(s) for s in SOURCES],
+        cpp_extension.load(name=f"beaconkv_cpu_kernels_{_sources_digest()}", sources=[str(s) for s in SOURCES],
                            extra_cflags=_BUILD_FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
                            verbose=False)
     except (RuntimeError, OSError, ImportError) as err:  # a compiler or linker failure

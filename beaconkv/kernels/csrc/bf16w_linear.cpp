@@ -12,37 +12,20 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
+
+#include "avx2_bf16.h"
 
 namespace {
+
+using beaconkv_cpu::bf16_to_float;
+using beaconkv_cpu::horizontal_sum;
+using beaconkv_cpu::load_bf16x8;
 
 constexpr int kMaxRows = 8;    // rows sharing one widened weight vector (8 accumulators + 2 temporaries)
 constexpr int kBlockRows = 4;  // rows of a block past kMaxRows rows (3 columns x 4 rows of accumulators)
 constexpr int64_t kTile = 48;  // output columns whose weights stay in cache while every row block passes
-
-inline __m256 load_bf16x8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float bf16_to_float(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float horizontal_sum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 shuf = _mm_movehdup_ps(lo);
-  __m128 sums = _mm_add_ps(lo, shuf);
-  shuf = _mm_movehl_ps(shuf, sums);
-  return _mm_cvtss_f32(_mm_add_ss(sums, shuf));
-}
 
 // y[r, c] for r < R, c < C: x is (R, K) row-major, w points at weight row n (C rows of K), y at
 // output column n (row stride N).

@@ -18,20 +18,12 @@
 #include <limits>
 #include <vector>
 
+#include "avx2_bf16.h"
+
 namespace {
 
-inline __m256 widen_bf16x8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float horizontal_sum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 shuf = _mm_movehdup_ps(lo);
-  __m128 sums = _mm_add_ps(lo, shuf);
-  shuf = _mm_movehl_ps(shuf, sums);
-  return _mm_cvtss_f32(_mm_add_ss(sums, shuf));
-}
+using beaconkv_cpu::horizontal_sum;
+using beaconkv_cpu::load_bf16x8;
 
 // exp(x) for 8 lanes (range reduction to 2^n * exp(r), |r| <= ln2/2, degree-6 polynomial; relative
 // error about 1e-7); lanes below -87.3 (masked slots carry -inf) give exactly 0.
@@ -68,7 +60,7 @@ void one_head(const float* q, const uint16_t* k, const uint16_t* v, const bool* 
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), widen_bf16x8(ks + d), acc);
+      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load_bf16x8(ks + d), acc);
       const float l = horizontal_sum(acc) * scale;
       logits[g * S8 + s] = l;
       top[g] = std::max(top[g], l);
@@ -93,7 +85,7 @@ void one_head(const float* q, const uint16_t* k, const uint16_t* v, const bool* 
       const __m256 pv = _mm256_set1_ps(p * inv);
       const uint16_t* vs = v + s * D;
       for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(og + d, _mm256_fmadd_ps(pv, widen_bf16x8(vs + d), _mm256_loadu_ps(og + d)));
+        _mm256_storeu_ps(og + d, _mm256_fmadd_ps(pv, load_bf16x8(vs + d), _mm256_loadu_ps(og + d)));
     }
   }
 }
