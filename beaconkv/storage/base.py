@@ -157,9 +157,8 @@ def put_front(buf: Tensor, rows: Tensor, values: Tensor) -> None:
     Every index is an index tensor, so a compiled eviction writes those ``b`` sequences in place;
     ``buf[rows, :, :K] = values`` (a slice) becomes a rewrite of the whole buffer once functionalised.
     """
-    heads = torch.arange(values.shape[1], device=buf.device)
-    slots = torch.arange(values.shape[2], device=buf.device)
-    buf.index_put_((rows[:, None, None], heads[None, :, None], slots[None, None, :]), values)
+    slots = torch.arange(values.shape[2], device=buf.device).expand(values.shape[0], -1)
+    buf.index_put_(token_index(rows, slots, values.shape[1]), values)
 
 
 def gather_slots(buf: Tensor, rows: Tensor, keep: Tensor) -> Tensor:
