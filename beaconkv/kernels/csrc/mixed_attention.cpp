@@ -47,11 +47,11 @@ inline __m256 exp8(__m256 x) {
 }
 
 // One (sequence, KV head): q (G, D) float32, k and v (S, D) bf16, valid (S), out (G, D); logits is
-// scratch of G x S8 floats (S8: S rounded up to 8).
+// scratch of G x S8 floats (S8: S rounded up to 8), top scratch of G floats.
 void one_head(const float* q, const uint16_t* k, const uint16_t* v, const bool* valid, float* out, float* logits,
-              int64_t G, int64_t S, int64_t S8, int64_t D, float scale) {
+              float* top, int64_t G, int64_t S, int64_t S8, int64_t D, float scale) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  std::vector<float> top(G, neg_inf);
+  std::fill(top, top + G, neg_inf);
   for (int64_t s = 0; s < S8; ++s) {
     if (s >= S || !valid[s]) {
       for (int64_t g = 0; g < G; ++g) logits[g * S8 + s] = neg_inf;
@@ -113,10 +113,10 @@ at::Tensor mixed_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const bool* mp = valid.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> logits(G * S8);
+    std::vector<float> scratch(G * S8 + G);  // logits, then each query's top logit: once per chunk of heads
     for (int64_t i = i0; i < i1; ++i)
-      one_head(qp + i * G * D, kp + i * S * D, vp + i * S * D, mp + i * S, op + i * G * D, logits.data(), G, S, S8, D,
-               static_cast<float>(scale));
+      one_head(qp + i * G * D, kp + i * S * D, vp + i * S * D, mp + i * S, op + i * G * D, scratch.data(),
+               scratch.data() + G * S8, G, S, S8, D, static_cast<float>(scale));
   });
   return out;
 }
