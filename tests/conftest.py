@@ -1,12 +1,25 @@
-"""Shared fixtures: tiny random-weight transformers models saved as checkpoints (the parity oracle)."""
+"""Shared fixtures: tiny random-weight transformers models saved as checkpoints (the parity oracle);
+and the Hypothesis profiles.
+
+Hypothesis profiles: ``ci`` (the default: ``derandomize=True``, no example database, so every run of
+``make test`` on any machine draws the same examples) and ``dev`` (random examples, a fresh seed each
+run). Choose one with ``HYPOTHESIS_PROFILE=dev`` or ``pytest --hypothesis-profile dev``; a failing
+random example is reproduced with the ``--hypothesis-seed`` (or the ``@reproduce_failure`` blob) it
+prints.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", print_blob=True)  # random; failures replay from .hypothesis/
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def tiny_hf_config(kind: str):

@@ -4,14 +4,17 @@ retention, kept K/V bit-identical in position order), and every sampler keeps Be
 memory where it should.
 
 The cases have teeth: budgets up to 512, ``n_recent`` up to 32, ``ratio`` anywhere in (0.5, 0.95),
-sequences long enough that at least 80% of the examples really evict (asserted), and the count an
-eviction must leave is computed here, not read from the policy.
+runs drawn so that every row of every example evicts (asserted; a second test draws runs that end
+just before the first eviction and asserts none happened), every policy and every sampler a
+parametrized case of its own, and the count an eviction must leave computed here, not read from the
+policy.
 """
 
 from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -28,77 +31,96 @@ BEACONS = {"beacon", "initial_recent", "beacon_group", "beacon_event", "beacon_l
 
 
 @st.composite
-def budget_cases(draw, max_budget: int = 512, max_recent: int = 32):
-    """A valid (budget, n_recent, ratio) and a run long enough to evict most of the time."""
+def budget_cases(draw, max_budget: int = 512, max_recent: int = 32, evicts: bool = True):
+    """A valid (budget, n_recent, ratio) and a run that evicts in every row (``evicts``), or one that
+    ends short of the first eviction in every row (``evicts=False``) — by construction, not by chance."""
     n_recent = draw(st.integers(1, max_recent))
-    ratio = draw(st.floats(0.5, 0.95, exclude_min=True, exclude_max=True))
-    budget = draw(st.integers(8, max_budget))
+    # a ratio that leaves room for n_recent within max_budget (a budget needs budget - B_min >= n_recent)
+    top = min(0.95, 1 - (n_recent + 1) / max_budget)
+    ratio = draw(st.floats(0.5, top, exclude_min=True, exclude_max=True))
+    # the smallest budget with budget - floor(ratio * budget) >= n_recent and floor(ratio * budget) >= n_recent
+    smallest = next((b for b in range(8, max_budget + 1) if b - math.floor(ratio * b) >= n_recent
+                     and math.floor(ratio * b) >= n_recent), None)
+    assume(smallest is not None)
+    budget = draw(st.integers(smallest, max_budget))
     b_min = math.floor(ratio * budget)
-    assume(budget - b_min >= n_recent and b_min >= n_recent)
-    prompts = draw(st.lists(st.integers(1, 24), min_size=1, max_size=2))
     n_prefix = draw(st.sampled_from([None, None, 0]))
+    # n_prefix=0 makes the prompt evictable: each row starts at its prompt length, kept short of the budget
+    prompts = draw(st.lists(st.integers(1, min(24, budget - 1)), min_size=1, max_size=2))
     gap = budget - b_min
-    prompt_count = 0 if n_prefix is None else min(prompts)  # evictable tokens after the prefill
-    # mostly past the first eviction (budget - count writes), sometimes just before it
-    extra = draw(st.integers(-max(budget // 16, 1), 3 * gap))
-    steps = max(budget - prompt_count + extra, 1)
+    if n_prefix is None:
+        first, last = budget, budget  # every row starts at 0 evictable tokens
+    else:
+        first, last = budget - max(prompts), budget - min(prompts)  # the first / the last row to reach it
+    if evicts:  # past the last row's first eviction, by up to three cadences
+        steps = last + draw(st.integers(0, 3 * gap))
+    else:  # short of the first row's first eviction
+        assume(first > 1)
+        steps = draw(st.integers(max(first - max(budget // 16, 1), 1), first - 1))
     return {"budget": budget, "n_recent": n_recent, "ratio": ratio, "prompts": prompts, "n_prefix": n_prefix,
             "steps": steps, "seed": draw(st.integers(0, 2**16)), "n_kv": draw(st.integers(1, 2)),
             "group": draw(st.integers(1, 3))}
 
 
-def test_budget_invariants_hold_for_every_policy_and_most_examples_evict():
-    outcomes: list[bool] = []
+def _policy(name: str, case: dict):
+    kw = dict(n_recent=case["n_recent"], n_prefix=case["n_prefix"], ratio=case["ratio"])
+    if name in BEACONS:
+        kw["n_beacon"] = min(case["n_recent"] + 1, 8)
+    if name == "streaming":
+        kw["n_sink"] = 0 if math.floor(case["ratio"] * case["budget"]) < case["n_recent"] + 4 else 4
+    return make_policy(name, budget=case["budget"], **kw)
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-    @given(case=budget_cases(), name=st.sampled_from(POLICIES))
-    def run(case, name):
-        kw = dict(n_recent=case["n_recent"], n_prefix=case["n_prefix"], ratio=case["ratio"])
-        if name in BEACONS:
-            kw["n_beacon"] = min(case["n_recent"] + 1, 8)
-        if name == "streaming":
-            kw["n_sink"] = 0 if math.floor(case["ratio"] * case["budget"]) < case["n_recent"] + 4 else 4
-        policy = make_policy(name, budget=case["budget"], **kw)
-        keep = math.floor(case["ratio"] * case["budget"])  # computed here: the cache must keep exactly this
-        _, state = drive(policy, case["prompts"], case["steps"], n_kv=case["n_kv"], group=case["group"],
-                         n_layers=1, head_dim=4, seed=case["seed"], keep=keep)
-        outcomes.append(min(state.stats.evictions) > 0)
 
-    run()
-    assert len(outcomes) >= 50 and sum(outcomes) / len(outcomes) >= 0.8, (
-        f"only {sum(outcomes)} of {len(outcomes)} examples evicted: the property test would be toothless")
+PROPERTY = settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@PROPERTY
+@given(case=budget_cases())
+def test_budget_invariants_hold_for_every_policy_and_every_row_evicts(name, case):
+    policy = _policy(name, case)
+    keep = math.floor(case["ratio"] * case["budget"])  # computed here: the cache must keep exactly this
+    _, state = drive(policy, case["prompts"], case["steps"], n_kv=case["n_kv"], group=case["group"],
+                     n_layers=1, head_dim=4, seed=case["seed"], keep=keep)
+    assert min(state.stats.evictions) > 0, f"a row never evicted: {state.stats.evictions}"
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(PROPERTY, max_examples=2)
+@given(case=budget_cases(max_budget=160, evicts=False))
+def test_no_policy_evicts_before_the_budget(name, case):
+    _, state = drive(_policy(name, case), case["prompts"], case["steps"], n_kv=case["n_kv"], group=case["group"],
+                     n_layers=1, head_dim=4, seed=case["seed"])
+    assert state.stats.evictions == [0] * len(case["prompts"])
 
 
 SAMPLERS = {"continual_fps": ContinualFPS, "fps": FPS, "naive_fps": NaiveFPS, "kmeans": lambda: KMeans(n_iter=2)}
 
 
-def test_query_memory_is_bounded_for_bounded_samplers_and_the_whole_history_otherwise():
-    seen: dict[str, int] = {}
+@pytest.mark.parametrize("sampler", sorted(SAMPLERS))
+@settings(PROPERTY, max_examples=6)
+@given(case=budget_cases(max_budget=160, max_recent=16), n_beacon=st.integers(0, 8))
+def test_query_memory_is_bounded_for_bounded_samplers_and_the_whole_history_otherwise(sampler, case, n_beacon):
+    assume(n_beacon + case["n_recent"] >= 1)
+    policy = BeaconKV(case["budget"], n_beacon=n_beacon, n_recent=case["n_recent"], ratio=case["ratio"],
+                      n_prefix=case["n_prefix"], sampler=SAMPLERS[sampler]())
+    q_max = n_beacon + case["n_recent"]
+    bounded = policy.sampler.bounded
+    assert bounded == (sampler in ("continual_fps", "fps"))
+    steps = []
 
-    @settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-    @given(case=budget_cases(max_budget=160, max_recent=16), sampler=st.sampled_from(sorted(SAMPLERS)),
-           n_beacon=st.integers(0, 8))
-    def run(case, sampler, n_beacon):
-        assume(n_beacon + case["n_recent"] >= 1)
-        policy = BeaconKV(case["budget"], n_beacon=n_beacon, n_recent=case["n_recent"], ratio=case["ratio"],
-                          n_prefix=case["n_prefix"], sampler=SAMPLERS[sampler]())
-        q_max = n_beacon + case["n_recent"]
-        bounded = policy.sampler.bounded
+    def memory(step, state):
+        held = policy.held_queries(state)  # the public counter
+        for b in range(len(case["prompts"])):
+            if bounded:
+                assert held[b] <= q_max, f"{sampler}: {held[b]} > B_max^Q = {q_max}"
+            else:  # every query of the sequence, prompt and decode, is kept
+                assert held[b] == state.t[b] + 1
+        steps.append(step)
 
-        def memory(step, state):
-            held = policy.held_queries(state)  # the public counter
-            for b in range(len(case["prompts"])):
-                if bounded:
-                    assert held[b] <= q_max, f"{sampler}: {held[b]} > B_max^Q = {q_max}"
-                else:  # every query of the sequence, prompt and decode, is kept
-                    assert held[b] == state.t[b] + 1
-            seen[sampler] = seen.get(sampler, 0) + 1
-
-        drive(policy, case["prompts"], case["steps"], n_kv=case["n_kv"], group=case["group"], n_layers=1,
-              head_dim=4, seed=case["seed"], on_step=memory)
-
-    run()
-    assert set(seen) == set(SAMPLERS), f"every sampler must be exercised, got {sorted(seen)}"
+    _, state = drive(policy, case["prompts"], case["steps"], n_kv=case["n_kv"], group=case["group"], n_layers=1,
+                     head_dim=4, seed=case["seed"], on_step=memory)
+    assert steps == list(range(case["steps"])) and min(state.stats.evictions) > 0
 
 
 def test_an_unbounded_sampler_freezes_over_every_query_of_the_history():
