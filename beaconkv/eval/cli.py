@@ -18,7 +18,7 @@ from typing import Any
 
 from beaconkv.arguments import add_kv_storage_argument
 from beaconkv.eval.benchmarks import BENCHMARKS
-from beaconkv.eval.config import DTYPE_CHOICES, EvalConfig
+from beaconkv.eval.config import DTYPE_CHOICES, SANDBOX_CHOICES, EvalConfig
 from beaconkv.eval.runner import EvalReport, run_eval
 
 __all__ = ["add_eval_arguments", "config_from_args", "run_eval_from_args"]
@@ -153,6 +153,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     run.add_argument("--save-token-ids", action="store_true", help="store generated token ids")
     run.add_argument("--code-timeout", type=float, default=6.0, help="seconds per code test")
     run.add_argument("--code-memory-mb", type=int, default=1024, help="memory per code test")
+    run.add_argument("--sandbox", choices=SANDBOX_CHOICES, default="namespaces",
+                     help="containment of generated programs: namespaces (default; the run refuses to start "
+                          "where they cannot) or rlimits (an explicit opt-in: no file-system, process or signal "
+                          "containment)")
     run.add_argument("--no-progress", action="store_true", help="hide progress bars")
     run.add_argument(
         "--dist-timeout-min",
@@ -204,6 +208,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         save_token_ids=args.save_token_ids,
         code_timeout_s=args.code_timeout,
         code_memory_mb=args.code_memory_mb,
+        sandbox=args.sandbox,
         progress=not args.no_progress,
         dist_timeout_min=args.dist_timeout_min,
     )

@@ -208,15 +208,21 @@ def grade_code(
 
     Returns:
         The :class:`Grade`; ``answer`` is the extracted program, ``detail`` names the first
-        failing test and why.
+        failing test and why, ``containment`` the sandbox's containment.
+
+    Raises:
+        SandboxUnavailable: The containment ``limits`` ask for (namespaces by default) cannot start
+            here; nothing was graded.
     """
     code = extract_code(response)
     if code is None:
         return Grade(None, False, "no fenced code block")
     if not tests:
         return Grade(code, False, "the problem has no tests")
+    containment = None
     for index, test in enumerate(tests, start=1):
-        ok, reason, _ = run_test(code, test, fn_name=fn_name, limits=limits)
+        ok, reason, result = run_test(code, test, fn_name=fn_name, limits=limits)
+        containment = result.containment
         if not ok:
-            return Grade(code, False, f"test {index}/{len(tests)}: {reason}")
-    return Grade(code, True, f"passed {len(tests)} tests")
+            return Grade(code, False, f"test {index}/{len(tests)}: {reason}", containment)
+    return Grade(code, True, f"passed {len(tests)} tests", containment)

@@ -14,14 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from beaconkv.eval.sandbox import SandboxLimits
 from beaconkv.models.loading import resolve_dtype
 from beaconkv.policies import EvictionPolicy, make_policy
 from beaconkv.storage import storage_names
 
-__all__ = ["DTYPE_CHOICES", "EvalConfig"]
+__all__ = ["DTYPE_CHOICES", "SANDBOX_CHOICES", "EvalConfig"]
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 """What ``--dtype`` accepts (besides the aliases ``fp32``, ``bf16``, ``fp16``, ``half``...)."""
+
+SANDBOX_CHOICES = ("namespaces", "rlimits")
+"""What ``--sandbox`` accepts: the containments of :class:`beaconkv.eval.sandbox.SandboxLimits`."""
 
 
 def _at_least_one(name: str, flag: str, value: int | None) -> None:
@@ -76,6 +80,10 @@ class EvalConfig:
         save_token_ids: Store the generated token ids in each record.
         code_timeout_s: Wall time limit per code test.
         code_memory_mb: Memory limit per code test.
+        sandbox: Containment of generated programs (code benchmarks): ``"namespaces"`` (the
+            default; the run stops before generating anything where it cannot start) or
+            ``"rlimits"`` (the weaker fallback, an explicit opt-in; see
+            :mod:`beaconkv.eval.sandbox`). Every record states the containment that ran.
         progress: Show progress bars.
         dist_timeout_min: Timeout of distributed collectives (the final barrier), in minutes.
 
@@ -112,6 +120,7 @@ class EvalConfig:
     save_token_ids: bool = False
     code_timeout_s: float = 6.0
     code_memory_mb: int = 1024
+    sandbox: str = "namespaces"
     progress: bool = True
     dist_timeout_min: float = 24 * 60
 
@@ -147,6 +156,10 @@ class EvalConfig:
                     f"dtype={self.dtype!r} is unknown; pass --dtype with one of "
                     f"{', '.join(DTYPE_CHOICES)}"
                 ) from None
+        if self.sandbox not in SANDBOX_CHOICES:
+            raise ValueError(
+                f"sandbox={self.sandbox!r} is unknown; pass --sandbox with one of {', '.join(SANDBOX_CHOICES)}"
+            )
         if self.kv_storage not in storage_names():
             raise ValueError(
                 f"kv_storage={self.kv_storage!r} is unknown; pass --kv-storage with one of "
@@ -179,6 +192,12 @@ class EvalConfig:
         if self.is_full and not self.policy_kwargs:
             return None
         return make_policy(self.policy, budget=self.budget, **self.policy_kwargs)
+
+    def sandbox_limits(self) -> SandboxLimits:
+        """The sandbox limits each code test runs under (``--code-timeout``, ``--code-memory-mb``,
+        ``--sandbox``)."""
+        return SandboxLimits(timeout_s=self.code_timeout_s, memory_mb=self.code_memory_mb,
+                             containment=self.sandbox)  # type: ignore[arg-type]
 
     def settings(self) -> dict[str, Any]:
         """The settings that must match for a resume (stored in every record).

@@ -20,8 +20,12 @@ class Grade:
         answer: The extracted answer (boxed content, letter, or program), ``None`` if none found.
         correct: Whether it matches the reference.
         detail: Short reason, e.g. ``"no \\boxed{} answer"`` or ``"test 3/12: wrong answer"``.
+        containment: For a graded program, the sandbox containment its tests ran under
+            (``"namespaces+cgroup"``, ``"namespaces+rlimit"`` or ``"rlimits-only"``, see
+            :mod:`beaconkv.eval.sandbox`); ``None`` when no code ran.
     """
 
     answer: str | None
     correct: bool
     detail: str = ""
+    containment: str | None = None

@@ -75,7 +75,7 @@ from beaconkv.eval.results import (
     rank_file,
     results_stem,
 )
-from beaconkv.eval.sandbox import SandboxLimits
+from beaconkv.eval.sandbox import check_containment
 from beaconkv.eval.seeds import derive_seed
 from beaconkv.eval.summary import SummaryRow, write_summary
 from beaconkv.policies import EvictionPolicy
@@ -183,6 +183,8 @@ def run_eval(
         UnknownBenchmarkError: ``config.benchmark`` is not registered.
         PolicyConfigError: Unknown policy or parameter, or a budget the policy rejects.
         DatasetFormatError: No problem to evaluate (an empty data file, or ``problems=[]``).
+        SandboxUnavailable: A code benchmark whose sandbox (``config.sandbox``, namespaces by
+            default) cannot start here; raised before anything is loaded or generated.
         ResultsConflictError: If ``out_dir`` holds results of this benchmark/policy/budget made
             with other settings.
         FileNotFoundError: The data file or the model checkpoint does not exist.
@@ -191,6 +193,8 @@ def run_eval(
     """
     spec = get_benchmark(config.benchmark)
     policy = config.make_policy()
+    if spec.kind == "code":  # before anything is generated: a sandbox that cannot start refuses now
+        check_containment(config.sandbox_limits())
     samples = config.samples or spec.default_samples
     device = resolve_device(config.device)
     ctx = init_distributed(device, timeout_min=config.dist_timeout_min)
@@ -309,7 +313,7 @@ def _generate(
         for s in pending
     ]
     settings = config.settings()
-    limits = SandboxLimits(timeout_s=config.code_timeout_s, memory_mb=config.code_memory_mb)
+    limits = config.sandbox_limits()
     part = rank_file(out_dir, stem, ctx.rank)
     desc = f"{benchmark} {label}" + ("" if budget is None else f"@{budget}")
     if ctx.world_size > 1:
@@ -343,6 +347,7 @@ def _generate(
                 "reference": prompt.reference,
                 "correct": grade.correct,
                 "grade_detail": grade.detail,
+                "containment": grade.containment,
                 "finish_reason": completion.finish_reason,
                 "prompt_tokens": completion.prompt_tokens,
                 "new_tokens": len(completion.token_ids),

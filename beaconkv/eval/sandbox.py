@@ -2,8 +2,11 @@
 
 The graders run programs written by a model; this module keeps them from reading or changing the
 host, from outliving the grading, from signalling the grader and from taking the machine's memory.
-:func:`run_python` picks one of two containments at run time and names it in
-:attr:`SandboxResult.containment`:
+:func:`run_python` runs one of two containments, chosen by the caller
+(:attr:`SandboxLimits.containment`), and names the one that ran in :attr:`SandboxResult.containment`.
+Nothing degrades silently: when the namespace containment (the default) cannot start here,
+:func:`run_python` raises :class:`SandboxUnavailable` with the reason and the explicit opt-in for the
+weaker fallback (``SandboxLimits(containment="rlimits")``, ``beaconkv eval --sandbox rlimits``).
 
 **Namespaces** (``"namespaces+cgroup"`` or ``"namespaces+rlimit"``), used where unprivileged user
 namespaces work (Linux on x86-64 or aarch64; probed once per process, see
@@ -45,9 +48,9 @@ PID, IPC, UTS, cgroup and network namespaces, and then:
   user namespace, so concurrent runs do not share it (where it cannot apply, the program's host uid
   being 0, creating processes is refused whatever ``max_processes``).
 
-**Fallback** (``"rlimits-only"``), used when namespaces are unavailable (``unshare`` is refused,
-e.g. in a container with the default seccomp profile, or ``kernel.unprivileged_userns_clone=0``)
-or forced with ``SandboxLimits(containment="rlimits")``: the program runs directly under
+**Fallback** (``"rlimits-only"``), only when asked for with ``SandboxLimits(containment="rlimits")``
+(for a machine where namespaces are unavailable: ``unshare`` refused, e.g. in a container with the
+default seccomp profile, or ``kernel.unprivileged_userns_clone=0``): the program runs directly under
 ``preexec_fn`` limits in its own session. What the fallback does **not** contain:
 
 * the file system: everything the grader's user may read is readable (``/etc/hostname``, home
@@ -98,6 +101,8 @@ __all__ = [
     "SANDBOX_HOST_ID",
     "SandboxLimits",
     "SandboxResult",
+    "SandboxUnavailable",
+    "check_containment",
     "namespace_sandbox_available",
     "network_namespace_available",
     "run_python",
@@ -139,6 +144,16 @@ _HELPER_TASKS = 2  # the helper's two processes inside the user namespace (unsha
 _CGROUP_SLACK_MB = 16  # memory.max headroom for those two processes
 #: Set by tests only: map just the grader's uid (what an unprivileged grader gets) even as root.
 _FORCE_SINGLE_ID_MAP = False
+_CONTAINMENTS = ("namespaces", "rlimits")
+_RLIMITS_OPT_IN = "SandboxLimits(containment='rlimits') (`beaconkv eval --sandbox rlimits`)"
+
+
+class SandboxUnavailable(RuntimeError):
+    """The namespace containment asked for cannot start here; nothing ran.
+
+    The message names the reason (the probe's error) and the explicit opt-in for the rlimits-only
+    fallback, which contains much less (see the module docstring).
+    """
 
 
 @dataclass(frozen=True)
@@ -157,9 +172,10 @@ class SandboxLimits:
         network: ``"auto"``: a network namespace when available, else the Python-level block;
             ``"namespace"``: require the namespace (error if unavailable); ``"python"``: only the
             Python-level block.
-        containment: ``"auto"``: namespaces when they work here, else the rlimits-only fallback;
-            ``"namespaces"``: require them (``RuntimeError`` if unavailable); ``"rlimits"``: force
-            the fallback (what it does not contain is listed in the module docstring).
+        containment: ``"namespaces"`` (the default): the namespace containment, and
+            :class:`SandboxUnavailable` where it cannot start; ``"rlimits"``: the rlimits-only
+            fallback, an explicit opt-in (what it does not contain is listed in the module
+            docstring).
         max_processes: Processes the program may run at once, itself included. ``1`` (the
             default): creating processes fails with ``PermissionError`` (threads work, up to 64).
             ``n > 1``: at most ``n`` tasks (processes and threads together) and, without a cgroup,
@@ -176,14 +192,16 @@ class SandboxLimits:
     file_size_mb: int = 64
     max_open_files: int = 256
     network: Literal["auto", "namespace", "python"] = "auto"
-    containment: Literal["auto", "namespaces", "rlimits"] = "auto"
+    containment: Literal["namespaces", "rlimits"] = "namespaces"
     max_processes: int = 1
     cgroup_parent: str | None = None
 
     def __post_init__(self) -> None:
-        if self.containment not in ("auto", "namespaces", "rlimits"):
+        if self.containment not in _CONTAINMENTS:
+            hint = (" ('auto' is gone: it fell back to rlimits without a word; ask for 'rlimits' "
+                    "explicitly where namespaces cannot work)" if self.containment == "auto" else "")
             raise ValueError(
-                f"containment={self.containment!r} is not one of 'auto', 'namespaces', 'rlimits'"
+                f"containment={self.containment!r} is not one of 'namespaces', 'rlimits'{hint}"
             )
         if self.network not in ("auto", "namespace", "python"):
             raise ValueError(f"network={self.network!r} is not one of 'auto', 'namespace', 'python'")
@@ -268,6 +286,37 @@ def namespace_sandbox_available() -> bool:
     return _namespace_probe()[0]
 
 
+def check_containment(limits: SandboxLimits | None = None) -> str:
+    """The containment :func:`run_python` will use with these limits, or why it cannot run.
+
+    Call it before work whose grading needs the sandbox (an evaluation run checks it before it
+    generates anything).
+
+    Args:
+        limits: The limits (default :class:`SandboxLimits`).
+
+    Returns:
+        ``"namespaces+cgroup"``, ``"namespaces+rlimit"`` or ``"rlimits-only"``.
+
+    Raises:
+        SandboxUnavailable: The namespace containment is asked for and cannot start here.
+        ValueError: ``limits.cgroup_parent`` is not a usable cgroup.
+    """
+    limits = limits or SandboxLimits()
+    parent = _cgroup_parent(limits.cgroup_parent)  # a bad explicit cgroup is an error on every path
+    if limits.containment == "rlimits":
+        return "rlimits-only"
+    works, why = _namespace_probe()
+    if not works:
+        raise SandboxUnavailable(
+            f"the namespace sandbox cannot start here: {why}. Enable unprivileged user namespaces "
+            "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0; in a container, "
+            "a seccomp profile that allows unshare), or grade with the rlimits-only fallback, which "
+            f"does not contain the file system, processes or signals: {_RLIMITS_OPT_IN}"
+        )
+    return "namespaces+cgroup" if parent is not None else "namespaces+rlimit"
+
+
 @functools.cache
 def _namespace_probe() -> tuple[bool, str]:
     """``(works, why not)``: runs ``print('ok')`` through the namespace path once."""
@@ -345,26 +394,15 @@ def run_python(
     Raises:
         ValueError: If ``script`` is not in ``files``, a file name escapes the directory, or
             ``limits.cgroup_parent`` is not a usable cgroup.
-        RuntimeError: If ``limits.containment == "namespaces"`` (or ``limits.network ==
-            "namespace"``) and that is unavailable, or if the namespace sandbox fails to start.
+        SandboxUnavailable: If the namespace containment (the default) cannot start here.
+        RuntimeError: If ``limits.network == "namespace"`` and that is unavailable, or if the
+            namespace sandbox fails in a run after its probe worked.
     """
     limits = limits or SandboxLimits()
     if script not in files:
         raise ValueError(f"script {script!r} is not one of the files {sorted(files)}")
-    if limits.cgroup_parent is not None:
-        _cgroup_parent(limits.cgroup_parent)  # a bad explicit cgroup is an error on every path
-    if limits.containment == "rlimits":
-        namespaced = False
-    else:
-        works, why = _namespace_probe()
-        if limits.containment == "namespaces" and not works:
-            raise RuntimeError(
-                f"containment='namespaces' requested but the namespace sandbox does not work here "
-                f"({why}); use containment='auto' or 'rlimits', or enable unprivileged user "
-                "namespaces (sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces)"
-            )
-        namespaced = works
-    return _run(files, script, args, stdin, limits, namespaced=namespaced)
+    containment = check_containment(limits)
+    return _run(files, script, args, stdin, limits, namespaced=containment != "rlimits-only")
 
 
 def _run(
@@ -517,12 +555,12 @@ def _run_namespaced(
     except (OSError, ValueError) as exc:
         raise RuntimeError(
             f"the namespace sandbox helper exited with {proc.returncode} and no report ({exc}); "
-            "pass SandboxLimits(containment='rlimits') to use the rlimits-only fallback"
+            f"the rlimits-only fallback is {_RLIMITS_OPT_IN}"
         ) from exc
     if report["error"]:
         raise RuntimeError(
-            f"the namespace sandbox failed to start: {report['error']}; pass "
-            "SandboxLimits(containment='rlimits') to use the rlimits-only fallback"
+            f"the namespace sandbox failed to start: {report['error']}; the rlimits-only "
+            f"fallback is {_RLIMITS_OPT_IN}"
         )
     extra = {
         "containment": f"namespaces+{report['memory']}",
@@ -1089,7 +1127,7 @@ def _build_root(config: dict[str, Any], libc: _Libc, inside_id: int) -> None:
             os.symlink(entry[2], new + path)
         else:
             _bind_readonly(libc, path, new + path)
-    os.makedirs(new + "/dev")
+    os.makedirs(new + "/dev", exist_ok=True)  # the plan may have made some of these
     for name in _DEV_NODES:
         if os.path.exists("/dev/" + name):
             # nodev must stay off here; read-only keeps the host's nodes from being chmod'ed.
@@ -1097,7 +1135,7 @@ def _build_root(config: dict[str, Any], libc: _Libc, inside_id: int) -> None:
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{new}/dev/{name}")
-    os.makedirs(new + "/proc")
+    os.makedirs(new + "/proc", exist_ok=True)
     try:
         # Before the pivot: the kernel lets a user namespace mount proc only while a full proc
         # mount is visible. Not essential: skipped where refused (e.g. a masked /proc in Docker).
@@ -1105,7 +1143,7 @@ def _build_root(config: dict[str, Any], libc: _Libc, inside_id: int) -> None:
         _make_readonly(libc, new + "/proc")  # no sysctl, sysrq-trigger or other /proc writes
     except OSError:
         pass
-    os.makedirs(new + "/etc")
+    os.makedirs(new + "/etc", exist_ok=True)
     for name in _ETC_FILES:
         if os.path.exists("/etc/" + name):
             _bind_readonly(libc, "/etc/" + name, f"{new}/etc/{name}")
@@ -1113,8 +1151,8 @@ def _build_root(config: dict[str, Any], libc: _Libc, inside_id: int) -> None:
         f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{_INSIDE_ID}:{_INSIDE_ID}::{_INSIDE_DIR}:/bin/sh\n"
     )
     Path(new, "etc/group").write_text(f"root:x:0:\nsandbox:x:{_INSIDE_ID}:\n")
-    os.makedirs(new + "/tmp")
-    os.makedirs(new + _INSIDE_DIR)
+    os.makedirs(new + "/tmp", exist_ok=True)  # exists already when the interpreter lives under /tmp
+    os.makedirs(new + _INSIDE_DIR, exist_ok=True)
     size = config["file_size_mb"]
     libc.mount("tmpfs", new + _INSIDE_DIR, "tmpfs", _MS_NOSUID | _MS_NODEV,
                f"size={size}m,nr_inodes=16384,mode=0700,uid={inside_id},gid={inside_id}")

@@ -35,6 +35,9 @@ class SummaryRow:
         mean_evictions: Mean eviction rounds per sample.
         truncated: Fraction of samples that hit ``max_new_tokens`` (finish reason ``length``).
         mean_seconds: Mean seconds a sample spent generating (in its cache slot: admission to last token).
+        containment: The sandbox containment the programs of a code benchmark ran under
+            (:mod:`beaconkv.eval.sandbox`; several, comma-separated, if the samples differ);
+            ``""`` where no program ran.
     """
 
     benchmark: str
@@ -49,6 +52,7 @@ class SummaryRow:
     mean_evictions: float
     truncated: float
     mean_seconds: float
+    containment: str = ""
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -86,6 +90,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[SummaryRow]:
                 mean_evictions=_mean([r["evictions"] for r in recs]),
                 truncated=_mean([r["finish_reason"] == "length" for r in recs]),
                 mean_seconds=_mean([r["seconds"] for r in recs]),
+                containment=", ".join(sorted({r["containment"] for r in recs if r.get("containment")})),
             )
         )
     rows.sort(key=lambda r: (r.benchmark, r.policy, -1 if r.budget is None else r.budget))
@@ -103,7 +108,7 @@ def format_summary_table(rows: Sequence[SummaryRow]) -> str:
     """
     header = [
         "benchmark", "policy", "budget", "problems", "samples", "pass@1 %",
-        "new tokens", "peak cache", "evictions", "truncated %", "s/sample",
+        "new tokens", "peak cache", "evictions", "truncated %", "s/sample", "sandbox",
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
@@ -119,6 +124,7 @@ def format_summary_table(rows: Sequence[SummaryRow]) -> str:
             f"{r.mean_evictions:.1f}",
             f"{100 * r.truncated:.1f}",
             f"{r.mean_seconds:.2f}",
+            r.containment or "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

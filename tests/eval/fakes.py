@@ -26,10 +26,15 @@ GOLDS = {"P60": "204", "P61": "113", "P9": "7"}
 
 
 def fake_output(prompt: str, seed: int, length: int) -> tuple[str, list[int]]:
-    """The text and token ids of a request: the right answer when the seed is even."""
+    """The text and token ids of a request: the right answer when the seed is even (for a code
+    problem, a program that adds two numbers from stdin, or one that prints 0)."""
+    ids = [(seed + k) % 50000 for k in range(length)]
+    if "```" in prompt or "Python" in prompt:
+        body = "a, b = map(int, input().split())\nprint(a + b)" if seed % 2 == 0 else "print(0)"
+        return f"thinking {seed % 1000}\n```python\n{body}\n```\n", ids
     gold = next((v for k, v in GOLDS.items() if f"{k}\n" in prompt), "204")
     answer = gold if seed % 2 == 0 else "0"
-    return f"thinking {seed % 1000} \\boxed{{{answer}}}", [(seed + k) % 50000 for k in range(length)]
+    return f"thinking {seed % 1000} \\boxed{{{answer}}}", ids
 
 
 @dataclass

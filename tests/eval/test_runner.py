@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from beaconkv.eval import runner
+from beaconkv.eval import runner, sandbox
 from beaconkv.eval.backend import GenerationBackend
+from beaconkv.eval.benchmarks import CodeTest, Problem
 from beaconkv.eval.cli import add_eval_arguments, config_from_args, run_eval_from_args
 from beaconkv.eval.config import EvalConfig
 from beaconkv.eval.distributed import DistContext
 from beaconkv.eval.errors import ResultsConflictError
 from beaconkv.eval.runner import plan_samples, run_eval
+from beaconkv.eval.sandbox import SandboxUnavailable
 from beaconkv.eval.seeds import derive_seed
 from beaconkv.eval.summary import summarize
 from beaconkv.policies import BeaconKV
@@ -243,3 +245,30 @@ def test_cli_arguments_build_the_config(tmp_path: Path, monkeypatch, project_dat
     out = capsys.readouterr().out
     assert "| aime24 | full | - | 2 | 4 |" in out
     assert len(read(tmp_path / "aime24__full.jsonl")) == 4
+
+
+CODE_PROBLEMS = [Problem("livecodebench", "q1", "Read a and b, print a + b.",
+                         tests=(CodeTest("1 2\n", "3\n"), CodeTest("5 5\n", "10\n")))]
+
+
+def test_code_records_and_the_summary_state_the_sandbox_containment(tmp_path: Path) -> None:
+    cfg = config(tmp_path, benchmark="livecodebench", samples=4, sandbox="rlimits")
+    report = run_eval(cfg, backend=GenerationBackend(Tok(), FakeEngines()), problems=CODE_PROBLEMS)
+    records = read(report.results_file)
+    assert [r["correct"] for r in records] == [r["seed"] % 2 == 0 for r in records]  # the programs really ran
+    assert {r["containment"] for r in records} == {"rlimits-only"}
+    (row,) = report.rows
+    assert row.containment == "rlimits-only" and "| rlimits-only |" in report.table
+    math = run_eval(config(tmp_path / "math"), backend=GenerationBackend(Tok(), FakeEngines()), problems=PROBLEMS)
+    assert {r["containment"] for r in read(math.results_file)} == {None} and math.rows[0].containment == ""
+
+
+def test_a_code_run_refuses_before_generating_where_the_sandbox_cannot_start(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(sandbox, "_namespace_probe", lambda: (False, "unshare: Operation not permitted"))
+    gen = FakeEngines()
+    with pytest.raises(SandboxUnavailable, match="Operation not permitted.*--sandbox rlimits"):
+        run_eval(config(tmp_path, benchmark="livecodebench"), backend=GenerationBackend(Tok(), gen),
+                 problems=CODE_PROBLEMS)
+    assert gen.engines == [] and not (tmp_path / "livecodebench__full.jsonl").exists()
+    with pytest.raises(ValueError, match="sandbox='docker'.*--sandbox with one of namespaces, rlimits"):
+        config(tmp_path, sandbox="docker")
