@@ -8,6 +8,7 @@ autograd with ``fullgraph=True``, which catches every graph break and host sync 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
@@ -17,9 +18,14 @@ import torch
 
 import beaconkv
 from beaconkv.execution import CPU_GEMV_LIMITS, CompileConfig, CompileError, lift_cpu_gemv_limit
+from beaconkv.execution import compiled as compiled_module
 from beaconkv.execution.compiled import resolve_compile_config
+from beaconkv.execution.sync import HostSyncError, no_host_sync
 from beaconkv.policies import BeaconKV, EvictionPolicy, PolicyState, SnapKV, make_policy, select_keep
 from beaconkv.policies.beacon import _select_queries
+from beaconkv.policies.registry import policy_names, policy_parameters
+from beaconkv.sampling import RowSampling, SamplingParams
+from beaconkv.session import Session
 
 TRACE = CompileConfig(backend="aot_eager")
 BUDGET = 128  # the smallest budget with n_recent = 16: an eviction every 16 steps
@@ -239,55 +245,180 @@ def test_select_keep_with_a_host_known_keep_count_equals_the_device_read():
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+@pytest.fixture
+def graph_shape(request, monkeypatch):
+    """``"cuda"``: real CUDA graphs. ``"cpu"``: the CUDA-graph execution shape on the CPU — the executor
+    believes it replays graphs, so it takes every CUDA-graph branch (one eviction graph over all layers,
+    static addresses marked, step boundaries, outputs cloned) with aot_eager graphs."""
+    if request.param == "cpu":
+        monkeypatch.setattr(CompileConfig, "cuda_graphs", lambda self, device: True)
+        return request.param, TRACE
+    return request.param, True
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graph_shape", DEVICES, indirect=True)
 @pytest.mark.parametrize("name", ["full", "beacon"])
-def test_cuda_graphs_greedy_tokens_equal_eager(tiny_models, name):
-    model = beaconkv.load_model(tiny_models["llama"][0], device="cuda")
+def test_cuda_graphs_greedy_tokens_equal_eager(tiny_models, graph_shape, name):
+    device, config = graph_shape
+    model = beaconkv.load_model(tiny_models["llama"][0], device=device)
     policy = None if name == "full" else BeaconKV(BUDGET, telemetry=True)
-    eager, compiled = _both(model, policy, True)
+    eager, compiled = _both(model, policy, config)
     assert compiled.token_ids == eager.token_ids
     assert _kept(compiled) == _kept(eager)
+    if name == "beacon":
+        assert compiled.stats.compiled_evictions == 2 and eager.stats.evictions == [2, 2]
+        assert compiled.policy_state.executor.calls["EvictionPolicy.evict_all_layers"] == 2
+        assert "EvictionPolicy.evict_layer" not in compiled.policy_state.executor.calls
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (stream synchronisation)")
-@pytest.mark.parametrize("name", ["beacon", "snapkv", "h2o", "rpc"])
-def test_decode_and_eviction_loop_never_synchronises(tiny_models, name):
-    """The decode step and every eviction (rows, counts, positions) run without a host<->device sync."""
-    from beaconkv.sampling import SamplingParams
-    from beaconkv.session import Session
+def test_one_graph_over_all_layers_gives_the_layerwise_tokens_and_kept_positions(llama):
+    """``layerwise=False`` (what CUDA graphs choose) evicts through ``evict_all_layers``: same result."""
+    policy = BeaconKV(BUDGET, n_prefix=2, telemetry=True)  # ragged rows: one-row evictions too
+    layerwise = beaconkv.generate(llama, None, _prompts(), policy=policy, max_new_tokens=BUDGET + 20,
+                                  eos_token_ids=[], compile=TRACE)
+    whole = beaconkv.generate(llama, None, _prompts(), policy=policy, max_new_tokens=BUDGET + 20, eos_token_ids=[],
+                              compile=dataclasses.replace(TRACE, layerwise=False))
+    assert whole.token_ids == layerwise.token_ids and _kept(whole) == _kept(layerwise)
+    calls = whole.policy_state.executor.calls
+    assert calls["EvictionPolicy.evict_all_layers"] == whole.stats.compiled_evictions > 0
+    assert "EvictionPolicy.evict_layer" not in calls
 
-    model = beaconkv.load_model(tiny_models["llama"][0], device="cuda")
-    prompts = _prompts((9, 9))  # equal prompts: every row evicts at the same steps
-    policy = make_policy(name, budget=BUDGET)
-    for kv_storage in ("dense", "int8"):
-        session = Session.for_prompts(model, policy, [9, 9], BUDGET + 40, kv_storage=kv_storage)
-        tokens = session.prefill(prompts).argmax(-1)
-        params = SamplingParams()
+
+SYNC_STEPS = 40  # budget 32, prompts of 9: two evictions per row
+
+
+def _sync_policy(name: str, **settings) -> EvictionPolicy | None:
+    if name == "full":
+        return None
+    kw = {"budget": 32, "n_recent": 4, **settings}
+    if "n_beacon" in policy_parameters(name):
+        kw["n_beacon"] = 4
+    return make_policy(name, **kw)
+
+
+def _guarded_run(model, policy, kv_storage, compile_config):
+    session = Session.for_prompts(model, policy, [9, 9], SYNC_STEPS, kv_storage=kv_storage,
+                                  compile=compile_config or False, kernels="model")
+    tokens = session.prefill(_prompts((9, 9))).argmax(-1)
+    rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)]
+    sampling = RowSampling.of(rows, model.device)
+    noise = torch.empty(2, model.config.vocab_size).exponential_(generator=torch.Generator().manual_seed(0))
+    noise = noise.to(model.device)
+    if model.device.type == "cuda":
         torch.cuda.synchronize()
+    with _sync_checks(model.device):
+        for _ in range(SYNC_STEPS):
+            tokens = session.step(tokens, sampling, noise)
+    return session
+
+
+def _outside_dispatch_modes(compiled):
+    """``compiled`` whose graphs run with the active dispatch modes suspended."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def make(fn, config, device):
+        graph = compiled(fn, config, device)
+
+        def call(*args):
+            with _disable_current_modes():
+                return graph(*args)
+
+        return call
+
+    return make
+
+
+@contextlib.contextmanager
+def _sync_checks(device: torch.device):
+    """The dispatch-mode guard everywhere; on CUDA also CUDA's own sync debug mode."""
+    with no_host_sync():
+        if device.type != "cuda":
+            yield
+            return
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for _ in range(BUDGET + 40):
-                tokens = session.step(tokens, params)
+            yield
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        assert session.state.stats.evictions == [3, 3]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+SYNC_POLICIES = [*policy_names(), "rpc@rpc", "rkv@rkv"]  # "@": the policy's own original cadence
+# compiled, the host code around the graphs is the executor's and the policy's own (the same for every
+# policy, checked eagerly for each): one representative per observation kind and cadence, and int8 once
+SYNC_COMPILED = ["full", "beacon", "snapkv", "h2o", "rpc@rpc", "rkv@rkv"]
+SYNC_CASES = ([(name, None, storage) for name in SYNC_POLICIES for storage in ("dense", "int8")]
+              + [(name, TRACE, "dense") for name in SYNC_COMPILED] + [("beacon", TRACE, "int8")])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("name", "compile_config", "kv_storage"), SYNC_CASES,
+                         ids=[f"{n}-{'eager' if c is None else 'aot_eager'}-{k}" for n, c, k in SYNC_CASES])
+def test_decode_and_eviction_never_wait_for_the_device(tiny_models, llama, name, compile_config, kv_storage, device,
+                                                      monkeypatch):
+    """Every decode step and every eviction (rows, counts, positions, scores, compaction) of every registered
+    policy (and RPC's and R-KV's own cadences), on dense and int8 storage, eager and compiled, runs with no
+    operation that would make the host wait for the device: on the CPU a dispatch mode refuses them
+    (.item(), bool(t), nonzero, mask indexing, unique, device-to-host copies...), so a sync cannot hide
+    until a GPU is lent; on a GPU CUDA's own sync debug mode fails on any stream synchronisation as well."""
+    model = llama if device == "cpu" else beaconkv.load_model(tiny_models["llama"][0], device=device)
+    base, _, cadence = name.partition("@")
+    own = {"rpc": {"cadence": "rpc", "budget": None, "period": 16, "window": 4},
+           "rkv": {"cadence": "rkv", "budget": 32, "buffer": 8}}
+    policy = _sync_policy(base, **own.get(cadence, {}))
+    if compile_config is not None:
+        # dynamo runs no frame under a dispatch mode: the graphs run (and compile) outside the guard —
+        # fullgraph=True already refuses a sync inside a graph — and the guard checks the host code around them
+        monkeypatch.setattr(compiled_module, "compiled", _outside_dispatch_modes(compiled_module.compiled))
+    session = _guarded_run(model, policy, kv_storage, compile_config)
+    evictions = session.state.stats.evictions
+    assert evictions == [0, 0] if base == "full" else min(evictions) >= 1, evictions
+    if compile_config is not None and base != "full":
+        assert session.state.executor.compiled
+
+
+def test_the_sync_guard_catches_each_kind_of_host_wait():
+    t, mask = torch.arange(6.0), torch.arange(6) > 2
+    waits = {
+        "item": lambda: t.sum().item(), "bool": lambda: bool(t[0]), "if": lambda: 1 if t.any() else 0,
+        "tolist": lambda: t.tolist(), "numpy": lambda: t.numpy(), "cpu": lambda: t.cpu(),
+        "nonzero": lambda: t.nonzero(), "where": lambda: torch.where(mask), "masked_select": lambda: t[mask.clone()].sum(),
+        "mask_put": lambda: t.clone().__setitem__(mask, 0.0), "unique": lambda: torch.unique(t),
+        "equal": lambda: torch.equal(t, t), "bincount": lambda: torch.bincount(mask.long()),
+        "repeat_interleave": lambda: torch.repeat_interleave(t, mask.long()),
+    }
+    for what, wait in waits.items():
+        with pytest.raises(HostSyncError), no_host_sync():
+            wait()
+        wait()  # outside the guard it works (and the guard put every method back)
+    with no_host_sync():  # device-side work passes
+        torch.where(mask, t, 0.0).topk(2).indices.add_(1)
+        t[torch.tensor([0, 2])] = 1.0
+        torch.repeat_interleave(t, 2)
+        torch.tensor([1, 2]).to(t.device, non_blocking=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_cuda_parity_with_transformers(tiny_models, kind):
-    """The transformers-parity oracle on the GPU: fp32 logits and greedy generation (eager and CUDA graphs)."""
+def test_parity_with_transformers_eager_and_compiled(tiny_models, kind, device):
+    """The transformers-parity oracle on each device: fp32 logits and greedy generation, eager and compiled
+    (CUDA graphs on a GPU; the same graph traced with aot_eager on the CPU)."""
     path, hf = tiny_models[kind]
-    ours = beaconkv.load_model(path, device="cuda")
-    hf = hf.to("cuda")
+    ours = beaconkv.load_model(path, device=device)
+    hf = hf.to(device)
     try:
-        ids = torch.randint(3, 97, (2, 48), generator=torch.Generator().manual_seed(1)).cuda()
+        ids = torch.randint(3, 97, (2, 48), generator=torch.Generator().manual_seed(1)).to(device)
         with torch.no_grad():
             torch.testing.assert_close(ours(ids), hf(ids).logits.float(), atol=1e-3, rtol=0)
         prompt = ids[:1, :30]
         ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, 30:].tolist()
-        for compile_config in (False, True):
+        for compile_config in (False, True if device == "cuda" else TRACE):
             out = beaconkv.generate(ours, None, [prompt[0].tolist()], max_new_tokens=32, eos_token_ids=[],
                                     compile=compile_config)
             assert out.token_ids[0] == ref
