@@ -1,11 +1,38 @@
-"""Models with random weights of a given architecture, built in place (benchmarks of large shapes)."""
+"""Models with random weights of a given architecture, built in place (benchmarks of large shapes), and
+the named shapes the benchmarks and the GPU check use (:data:`RANDOM_SHAPES`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from .config import ModelConfig
+from .config import ModelConfig, RopeConfig
 from .decoder import CausalLM, build_model, default_rope
+
+
+def qwen3_4b_config() -> ModelConfig:
+    """The architecture of Qwen3-4B (36 layers, hidden 2560, 32 query / 8 KV heads of 128, vocab 151936)."""
+    return ModelConfig(
+        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True, rope=RopeConfig(theta=1e6),
+    )
+
+
+def qwen3_tiny_config() -> ModelConfig:
+    """A tiny Qwen3 shape with every quirk of the real one (q/k norms, tied embeddings, GQA, ``head_dim``
+    unequal to ``hidden / heads``) and the embedded tokenizer's vocabulary (49152), so that any stage of a
+    benchmark or of ``scripts/gpu_check.sh --smoke`` runs on a CPU in seconds with real prompts."""
+    return ModelConfig(
+        model_type="qwen3", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True, rope=RopeConfig(theta=1e6),
+    )
+
+
+RANDOM_SHAPES: dict[str, Callable[[], ModelConfig]] = {"qwen3-4b": qwen3_4b_config, "qwen3-tiny": qwen3_tiny_config}
+"""Named architectures a benchmark can run with random weights (``--model qwen3-4b``, ``--model qwen3-tiny``)."""
 
 
 def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> CausalLM:

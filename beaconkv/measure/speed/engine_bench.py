@@ -38,13 +38,12 @@ from ...models.bf16w import bf16w_available
 from ...models.cpu_linear import KERNEL_LABELS, KERNELS
 from ...models.decoder import CausalLM
 from ...models.loading import load_model
-from ...models.random_weights import random_model
+from ...models.random_weights import RANDOM_SHAPES, random_model
 from ..fidelity.study import auto_n_recent
 from ...paths import benchmark_file, traces_path
 from ...policies.registry import make_policy
 from ...tokenizer import Tokenizer, load_tokenizer
 from .machine import DTYPES, BenchError, kv_bytes_per_token
-from .table4 import qwen3_4b_config
 from .throughput import load_hf_model
 
 #: Output lengths (tokens) of the shared R1-Distill-Qwen-7B traces on AIME24 (data/traces/SOURCE.md).
@@ -340,10 +339,11 @@ def add_engine_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--engine-full-slots", type=int, default=4,
                        help="the KV-memory limit, as the FullKV slots it fits (default 4)")
     group.add_argument("--engine-max-slots", type=int, default=16, help="most slots of any pool (default 16)")
-    group.add_argument("--engine-model", default="checkpoint", choices=("checkpoint", "qwen3-4b"),
+    group.add_argument("--engine-model", default="checkpoint", choices=("checkpoint", *RANDOM_SHAPES),
                        help="checkpoint: --model (default); qwen3-4b: a random-weight Qwen3-4B-shaped model (a GPU "
                             "run: speed does not depend on the weights; prompts tokenised with --model's tokenizer, "
-                            "no transformers row)")
+                            "no transformers row); qwen3-tiny: a tiny random Qwen3 shape (checks the section on a "
+                            "CPU in seconds)")
     group.add_argument("--engine-dtype", default=None,
                        help="model dtype of the section (default: bf16 on CUDA, and on a CPU where the bf16-weight "
                             "kernel builds — the pools then run bf16w; fp32 on other CPUs, where a bf16 prefill "
@@ -358,8 +358,8 @@ def run_engine_section(args: argparse.Namespace, path: Path, device: torch.devic
     """The section as ``beaconkv bench --sections engine`` runs it: rows, workload and ratios (JSON-ready)."""
     dtype = args.engine_dtype or ("bf16" if device.type == "cuda" or bf16w_available() else "fp32")
     tokenizer = load_tokenizer(path)
-    if args.engine_model == "qwen3-4b":
-        model = random_model(qwen3_4b_config(), DTYPES[dtype], device)
+    if args.engine_model in RANDOM_SHAPES:
+        model = random_model(RANDOM_SHAPES[args.engine_model](), DTYPES[dtype], device)
     else:
         model = load_model(path, dtype=DTYPES[dtype], device=device)
     per_token = kv_bytes_per_token(model.config, model.dtype)

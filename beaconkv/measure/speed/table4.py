@@ -4,7 +4,7 @@ largest batch that fits a memory limit.
 The paper's setting is Qwen3-4B generating 32K tokens on an 80 GB A100 (FullKV: batch 14, 77.0 GB,
 82.3 tok/s; BeaconKV at budget 2048: 13.3 GB, 356.4 tok/s). Here:
 
-* **GPU**: a Qwen3-4B-*shaped* model with random weights (:func:`qwen3_4b_config`; nothing to
+* **GPU**: a Qwen3-4B-*shaped* model with random weights (:func:`~beaconkv.models.random_weights.qwen3_4b_config`; nothing to
   download — speed and memory do not depend on the weights), bf16, caches sized for
   ``--generation-tokens`` (32768);
 * **CPU scale**: the embedded SmolLM2-135M, a shorter generation and a smaller limit.
@@ -40,10 +40,9 @@ import torch
 from ...arguments import model_path
 from ...execution import CompileConfig
 from ...generation import GenerationOutput, generate
-from ...models.config import ModelConfig, RopeConfig
 from ...models.decoder import CausalLM
 from ...models.loading import load_model
-from ...models.random_weights import random_model
+from ...models.random_weights import RANDOM_SHAPES, qwen3_4b_config, random_model
 from ...policies.registry import make_policy
 from .machine import DTYPES, PeakMemory, kv_bytes_per_token, random_prompts, rss_bytes
 from .timing import StepRecorder
@@ -51,15 +50,6 @@ from .timing import StepRecorder
 #: The paper's Table 4 (Qwen3-4B, 32K generation, A100 80 GB) for reference.
 PAPER_TABLE4 = {"full": {"batch": 14, "peak_gb": 77.0, "tokens_per_s": 82.3},
                 "beacon": {"budget": 2048, "peak_gb": 13.3, "tokens_per_s": 356.4}}
-
-
-def qwen3_4b_config() -> ModelConfig:
-    """The architecture of Qwen3-4B (36 layers, hidden 2560, 32 query / 8 KV heads of 128, vocab 151936)."""
-    return ModelConfig(
-        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True, rope=RopeConfig(theta=1e6),
-    )
 
 
 @dataclass
@@ -262,7 +252,8 @@ def add_table4_arguments(parser: argparse.ArgumentParser | Any, prefix: str = ""
     """
     p = prefix
     parser.add_argument(f"--{p}model", default="embedded",
-                        help="'embedded' (SmolLM2-135M), 'qwen3-4b' (random weights, Qwen3-4B shape) or a checkpoint")
+                        help="'embedded' (SmolLM2-135M), 'qwen3-4b' (random weights, Qwen3-4B shape), 'qwen3-tiny' (a "
+                             "tiny random Qwen3 shape: checks the commands on a CPU) or a checkpoint")
     parser.add_argument(f"--{p}dtype", default=None,
                         help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU, where bf16 matmuls are slow)")
     parser.add_argument(f"--{p}generation-tokens", type=int, default=None,
@@ -304,8 +295,8 @@ def run_table4_section(args: argparse.Namespace, device: torch.device, compile_c
     dname = opt("dtype") or ("bf16" if cuda else "fp32")
     dtype = DTYPES[dname]
     which = opt("model")
-    if which == "qwen3-4b":
-        model, label = random_model(qwen3_4b_config(), dtype, device), "Qwen3-4B-shaped, random weights"
+    if which in RANDOM_SHAPES:
+        model, label = random_model(RANDOM_SHAPES[which](), dtype, device), f"{which}-shaped, random weights"
     else:
         model = load_model(model_path(which), dtype=dtype, device=device)
         label = "SmolLM2-135M (embedded)" if which == "embedded" else Path(which).name
