@@ -34,6 +34,16 @@ class PackingError(ValueError):
     """Prepacking is not possible here (no oneDNN, or a device other than the CPU)."""
 
 
+def native_bf16_matmuls() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512-BF16 or AMX, through oneDNN).
+
+    Without it (AVX2 CPUs) a bf16 matmul of ``rows`` rows costs about ``rows`` times one row, which is
+    what :func:`choose_kernels` works around. Tests replace this function to take either branch on
+    any CPU.
+    """
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def packing_available() -> bool:
     """Whether this PyTorch can prepack linear weights with oneDNN (``torch.ops.mkldnn``)."""
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -257,7 +267,7 @@ def choose_kernels(model: CausalLM, rows: int, kernels: str = "auto") -> KernelC
         return KernelChoice(bf16w_copy(model), "bf16w", "bf16 weights with fp32 arithmetic, as asked")
     if model.device.type != "cpu":
         return KernelChoice(model, "model", f"the model's own kernels on {model.device.type}")
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if native_bf16_matmuls():
         return KernelChoice(model, "model", "this CPU has native bfloat16 matmuls")
     if rows < PACK_MIN_ROWS:
         return KernelChoice(model, "model", f"{rows} row(s) per step: the model's kernels read fewer bytes")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import beaconkv
+from beaconkv.models import cpu_linear
 from beaconkv.models.bf16w import bf16w_available
 from beaconkv.models.cpu_linear import (
     PACK_MIN_ROWS,
@@ -17,10 +18,21 @@ from beaconkv.models.cpu_linear import (
 )
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN packing")
-auto_packs = pytest.mark.skipif(
-    not packing_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-    reason="'auto' packs only on a CPU with oneDNN and without native bfloat16",
-)
+auto_packs = pytest.mark.usefixtures("emulated_bf16")  # the AVX2 branch of 'auto', on any CPU
+
+
+@pytest.fixture
+def emulated_bf16(monkeypatch):
+    """'auto' as on a CPU without native bfloat16 (AVX2): the branch that packs, whatever this CPU has."""
+    if not packing_available():
+        pytest.skip("this PyTorch has no oneDNN packing")
+    monkeypatch.setattr(cpu_linear, "native_bf16_matmuls", lambda: False)
+
+
+def test_auto_keeps_the_models_kernels_on_a_cpu_with_native_bf16(llama, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "native_bf16_matmuls", lambda: True)
+    choice = choose_kernels(llama, 64)
+    assert (choice.kernels, choice.model) == ("model", llama) and "native bfloat16" in choice.reason
 
 
 @pytest.fixture(scope="module")
