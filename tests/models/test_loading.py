@@ -1,8 +1,10 @@
-"""Checkpoint loading: sharded files, hub ids, config spellings, and a clear error for every bad input."""
+"""Checkpoint loading: sharded files, hub ids, config spellings, a clear error for every bad input (checked
+before the model is built), and the buffers of injected components made for real."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 
@@ -11,7 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import beaconkv
-from beaconkv.models import CheckpointError, ConfigFileError, ModelConfig, UnsupportedModelError, loading
+from beaconkv.cache import KVCache
+from beaconkv.models import (Attention, CheckpointError, ConfigFileError, ModelConfig, SwiGLUMLP, UnsupportedModelError,
+                             build_model, loading)
+from beaconkv.models.loading import MetaTensorError
 
 
 
@@ -174,3 +179,345 @@ def test_offline_hub_id_says_why_and_what_to_do(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
     with pytest.raises(FileNotFoundError, match=r"neither a local directory nor a downloadable hub repo .*repo id"):
         beaconkv.load_model("someone/nonexistent-model")
+
+
+# --------------------------------------------------------------------------------------------
+# nothing a config or a header says is trusted
+
+
+def _set_config(ckpt, **values):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for key, value in values.items():
+        if value is _DELETE:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
+_DELETE = object()
+
+
+def _edit_header(path, edit):
+    """Rewrites the JSON header of a safetensors file in place, keeping its data bytes."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+@pytest.fixture()
+def never_built(monkeypatch):
+    """Fails the test if a model is built (the checks must come first)."""
+    monkeypatch.setattr(loading, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+
+
+@pytest.mark.parametrize(("layers", "error", "message"), [
+    (1_000_000_000, ConfigFileError, r"config.json: num_hidden_layers=1000000000 is above the limit of 1024.*CONFIG_LIM"),
+    (1000, CheckpointError, r"config.json: num_hidden_layers=1000, but the checkpoint's tensors hold layers 0..1; "
+                            r"set num_hidden_layers to 2"),
+    (1, CheckpointError, r"num_hidden_layers=1, but the checkpoint's tensors hold layers 0..1; set num_hidden_layers to 2"),
+    (0, ConfigFileError, r"num_hidden_layers=0 must be at least 1"),
+])
+def test_layer_count_is_checked_against_the_checkpoint_before_building(ckpt, never_built, layers, error, message):
+    _set_config(ckpt, num_hidden_layers=layers)
+    with pytest.raises(error, match=message):
+        beaconkv.load_model(ckpt)
+
+
+def test_a_missing_layer_is_named(ckpt, never_built):
+    _rewrite(ckpt, lambda t: [t.pop(k) for k in list(t) if k.startswith("model.layers.1.")])
+    with pytest.raises(CheckpointError, match=r"num_hidden_layers=2, but the checkpoint's tensors hold layers 0..0; "
+                                              r"set num_hidden_layers to 1"):
+        beaconkv.load_model(ckpt)
+    _set_config(ckpt, num_hidden_layers=1)
+    _rewrite(ckpt, lambda t: t.update({k.replace("layers.0.", "layers.3."): v.clone() for k, v in t.items()}))
+    _set_config(ckpt, num_hidden_layers=4)
+    with pytest.raises(CheckpointError, match=r"the layer indices \[0, 3\]; restore the tensors of layers \[1, 2\]"):
+        beaconkv.load_model(ckpt)
+
+
+@pytest.mark.parametrize("dtype", ["I32", "U32", "I16", "BOOL", "F8_E4M3", "I64", "F64"])
+def test_a_non_float_header_dtype_is_refused_naming_tensor_and_dtype(ckpt, never_built, dtype):
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def retype(header):  # the same bytes: the F32 shape for a 4-byte dtype, more or fewer rows for the others
+        entry = header[name]
+        size = {"I32": 4, "U32": 4, "I16": 2, "BOOL": 1, "F8_E4M3": 1, "I64": 8, "F64": 8}[dtype]
+        rows, cols = entry["shape"]
+        entry["dtype"], entry["shape"] = dtype, [rows * 4 // size, cols]
+
+    _edit_header(ckpt / "model.safetensors", retype)
+    with pytest.raises(CheckpointError, match=rf"\['{re.escape(name)} \({dtype}, in model.safetensors\)'\].*F32, F16, BF16"):
+        beaconkv.load_model(ckpt)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (-64, r"head_dim=-64 must be at least 1"),
+    (0, r"head_dim=0 must be at least 1"),
+    (7, r"head_dim=7 must be even"),
+    (10**6, r"head_dim=1000000 is above the limit of 4096"),
+    (24.0, r"head_dim=24.0 must be an integer, not a number with a fraction; write it as a JSON integer \(24, not 24.0\)"),
+    ("24", r"head_dim='24' must be an integer, not a string; write it as a JSON integer, without quotes \(24\)"),
+    (True, r"head_dim=True must be an integer, not a boolean"),
+])
+def test_head_dim_out_of_type_or_range_names_file_field_and_value(tiny_models, tmp_path, never_built, value, message):
+    shutil.copytree(tiny_models["qwen3"][0], tmp_path / "q3")
+    _set_config(tmp_path / "q3", head_dim=value)
+    with pytest.raises(ConfigFileError, match=re.escape(str(tmp_path / "q3" / "config.json")) + ": " + message):
+        beaconkv.load_model(tmp_path / "q3")
+
+
+def test_head_dim_inconsistent_with_the_projections(tiny_models, tmp_path, never_built, monkeypatch):
+    q3 = tmp_path / "q3"
+    shutil.copytree(tiny_models["qwen3"][0], q3)
+    _set_config(q3, head_dim=16)  # the checkpoint's heads are 24 wide
+    with pytest.raises(CheckpointError, match=r"head_dim=16 .*q_norm.weight in .*model.safetensors has shape \(24,\); "
+                                              r"set head_dim to 24"):
+        beaconkv.load_model(q3)
+    llama = tmp_path / "llama"
+    shutil.copytree(tiny_models["llama"][0], llama)
+    # without q/k norms, heads x head_dim is all a checkpoint says: 2 heads of 32 fit the tensors (as in transformers)
+    _set_config(llama, head_dim=_DELETE, num_attention_heads=2, num_key_value_heads=1)
+    with monkeypatch.context() as m:
+        m.setattr(loading, "build_model", build_model)
+        assert beaconkv.load_model(llama).config.head_dim == 32
+    _set_config(llama, head_dim=8, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(CheckpointError, match=r"num_attention_heads=4 x head_dim=8 = 32 query rows.*q_proj.weight in .* "
+                                              r"has shape \(64, 64\); set num_attention_heads and head_dim so that their "
+                                              r"product is 64 \(e.g. head_dim=16 with num_attention_heads=4 or "
+                                              r"num_attention_heads=8 with head_dim=8\)"):
+        beaconkv.load_model(llama)
+    _set_config(llama, head_dim=16, num_key_value_heads=4)
+    with pytest.raises(CheckpointError, match=r"num_key_value_heads=4 x head_dim=16 = 64 key rows.*k_proj.weight in .* "
+                                              r"has shape \(32, 64\); set num_key_value_heads to 2"):
+        beaconkv.load_model(llama)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"vocab_size": 98}, r"vocab_size=98, but model.embed_tokens.weight in .* has shape \(97, 64\); set vocab_size to 97"),
+    ({"hidden_size": 32}, r"hidden_size=32, but model.embed_tokens.weight .* set hidden_size to 64"),
+    ({"intermediate_size": 95}, r"intermediate_size=95, but model.layers.0.mlp.gate_proj.weight .* \(96, 64\); "
+                                r"set intermediate_size to 96"),
+    ({"num_attention_heads": 8}, r"num_key_value_heads=2 x head_dim=8 = 16 key rows \(without head_dim in config.json, "
+                                 r"head_dim is hidden_size // num_attention_heads\), but model.layers.0.self_attn.k_proj"
+                                 r".weight in .* has shape \(32, 64\); set num_key_value_heads to 4"),
+])
+def test_widths_are_checked_against_the_tensors(ckpt, never_built, values, message):
+    _set_config(ckpt, **values)
+    with pytest.raises(CheckpointError, match=re.escape(str(ckpt / "config.json")) + ": (" + message + ")"):
+        beaconkv.load_model(ckpt)
+
+
+def test_flags_that_disagree_with_the_tensors_say_which_way_to_set_them(tiny_models, tmp_path, never_built):
+    llama = tmp_path / "llama"
+    shutil.copytree(tiny_models["llama"][0], llama)
+    _set_config(llama, tie_word_embeddings=True)  # loads: the checkpoint's lm_head is then ignored
+    _set_config(llama, attention_bias=True)
+    with pytest.raises(CheckpointError, match=r"attention_bias=true, but the checkpoint has no model.layers.0.self_attn."
+                                              r"q_proj.bias; set attention_bias to false"):
+        beaconkv.load_model(llama)
+    q3 = tmp_path / "q3"
+    shutil.copytree(tiny_models["qwen3"][0], q3)
+    _set_config(q3, tie_word_embeddings=False)
+    with pytest.raises(CheckpointError, match=r"tie_word_embeddings=false, but the checkpoint has no lm_head.weight; if "
+                                              r"the model's head shares the token embedding, set tie_word_embeddings to true"):
+        beaconkv.load_model(q3)
+
+
+@pytest.mark.parametrize(("values", "error", "message"), [
+    ({"num_hidden_layers": 2.0}, ConfigFileError, r"num_hidden_layers=2.0 must be an integer.*\(2, not 2.0\)"),
+    ({"vocab_size": "97"}, ConfigFileError, r"vocab_size='97' must be an integer, not a string.*without quotes \(97\)"),
+    ({"hidden_size": False}, ConfigFileError, r"hidden_size=False must be an integer, not a boolean"),
+    ({"num_key_value_heads": 3}, ConfigFileError, r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ({"num_key_value_heads": 0}, ConfigFileError, r"num_key_value_heads=0 must be at least 1"),
+    ({"max_position_embeddings": -1}, ConfigFileError, r"max_position_embeddings=-1 must be at least 1"),
+    ({"max_position_embeddings": 1 << 40}, ConfigFileError, r"max_position_embeddings=1099511627776 is above the limit"),
+    ({"rms_norm_eps": 0}, ConfigFileError, r"rms_norm_eps=0.0 must be a finite number greater than 0.0 and less than 1.0"),
+    ({"rms_norm_eps": "1e-6"}, ConfigFileError, r"rms_norm_eps='1e-6' must be a number, not a string"),
+    ({"rms_norm_eps": float("nan")}, ConfigFileError, r"rms_norm_eps=nan must be a finite number"),
+    ({"tie_word_embeddings": "false"}, ConfigFileError, r"tie_word_embeddings='false' must be true or false \(a JSON "
+                                                        r"boolean\), not a string"),
+    ({"attention_bias": 1}, ConfigFileError, r"attention_bias=1 must be true or false"),
+    ({"eos_token_id": 97}, ConfigFileError, r"eos_token_id=97: id 97 is outside the vocabulary \(vocab_size=97\)"),
+    ({"eos_token_id": [2, "x"]}, ConfigFileError, r"eos_token_id='x' must be an integer"),
+    ({"bos_token_id": -1}, ConfigFileError, r"bos_token_id=-1 must be at least 0"),
+    ({"rope_parameters": {"rope_theta": -5}}, ConfigFileError, r"rope_theta=-5.0 must be a finite number greater than 1"),
+    ({"rope_parameters": None, "rope_theta": "1e6"}, ConfigFileError, r"rope_theta='1e6' must be a number, not a string"),
+    ({"rope_parameters": "default"}, ConfigFileError, r"rope_parameters='default' must be an object or null, not a string"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, ConfigFileError,
+     r"yarn rope scaling needs 'original_max_position_embeddings'"),
+    ({"rope_parameters": {"rope_type": "yarn"}}, ConfigFileError, r"yarn rope scaling needs 'original_max_position_emb"),
+    ({"rope_parameters": {"rope_type": "linear"}}, ConfigFileError, r"linear rope scaling needs 'factor'"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64.5}}, ConfigFileError,
+     r"rope_scaling.original_max_position_embeddings=64.5 must be an integer"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 0}}, ConfigFileError, r"rope_scaling.factor=0.0 must be a fin"),
+    ({"rope_parameters": {"rope_type": 3}}, ConfigFileError, r"rope_type=3 must be a string, not an integer"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, UnsupportedModelError, r"rope_type='dynamic' is not su"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, UnsupportedModelError,
+     r"rope parameters per layer type"),
+    ({"hidden_act": "gelu"}, UnsupportedModelError, r"hidden_act='gelu' is not supported"),
+    ({"use_sliding_window": True}, UnsupportedModelError, r"use_sliding_window=true is not supported"),
+    ({"use_sliding_window": "no"}, ConfigFileError, r"use_sliding_window='no' must be true or false"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, UnsupportedModelError,
+     r"layer_types \['sliding_attention'\] are not supported"),
+    ({"partial_rotary_factor": 0.5}, UnsupportedModelError, r"partial_rotary_factor=0.5 is not supported"),
+    ({"model_type": ["qwen2"]}, UnsupportedModelError, r"model_type=\['qwen2'\] is not supported"),
+])
+def test_config_values_of_the_wrong_type_or_range(ckpt, never_built, values, error, message):
+    _set_config(ckpt, **values)
+    with pytest.raises(error, match=re.escape(str(ckpt / "config.json")) + ": " + message):
+        beaconkv.load_model(ckpt)
+
+
+def test_neutral_config_spellings_still_load(ckpt):
+    ref = beaconkv.load_model(ckpt)
+    ids = torch.arange(3, 30)[None]
+    # nulls count as absent; unknown keys are ignored; an integer rope_theta is a number
+    _set_config(ckpt, bos_token_id=None, eos_token_id=[2, 1], rope_scaling=None, sliding_window=None,
+                some_future_key={"a": [1, 2]}, num_key_value_heads=2, rope_parameters={"rope_theta": 1000000,
+                                                                                        "rope_type": "default"})
+    torch.testing.assert_close(beaconkv.load_model(ckpt)(ids), ref(ids), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"vocab_size": ' + "9" * 5000 + "}", "\xff{}"],
+                         ids=["deep nesting", "a 5000-digit integer", "invalid UTF-8"])
+def test_config_json_that_json_cannot_decode_names_the_file(ckpt, never_built, text):
+    (ckpt / "config.json").write_bytes(text.encode("utf-8") if not text.startswith("\xff") else b"\xff{}")
+    with pytest.raises(ConfigFileError, match=rf"{re.escape(str(ckpt / 'config.json'))} is not valid JSON"):
+        beaconkv.load_model(ckpt)
+
+
+def test_shard_index_is_not_trusted(tiny_models, tmp_path, never_built):
+    tiny_models["llama"][1].save_pretrained(tmp_path, max_shard_size="20KB")
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+
+    def write(weight_map):
+        index_path.write_text(json.dumps({**index, "weight_map": weight_map}))
+
+    write({**index["weight_map"], "model.norm.weight": "../../etc/passwd"})
+    with pytest.raises(CheckpointError, match=r"weight_map must map tensor names to file names in"):
+        beaconkv.load_model(tmp_path)
+    write({**index["weight_map"], "model.norm.weight": 3})
+    with pytest.raises(CheckpointError, match=r"weight_map must map tensor names to file names"):
+        beaconkv.load_model(tmp_path)
+    wrong = shards[0] if index["weight_map"]["model.norm.weight"] != shards[0] else shards[1]
+    write({**index["weight_map"], "model.norm.weight": wrong})
+    with pytest.raises(CheckpointError, match=r"lists tensors that are not in the shard it names: \['model.norm.weight'\]"):
+        beaconkv.load_model(tmp_path)
+    write(index["weight_map"])
+    first = load_file(tmp_path / shards[0])
+    other = tmp_path / shards[1]
+    save_file({**load_file(other), next(iter(first)): next(iter(first.values()))}, other)
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(next(iter(first)))} is stored twice"):
+        beaconkv.load_model(tmp_path)
+
+
+def test_misshaped_tensors_are_refused_without_reading_data(ckpt, never_built, monkeypatch):
+    _rewrite(ckpt, lambda t: t.__setitem__("model.layers.1.mlp.up_proj.weight", torch.ones(96, 63)))
+    monkeypatch.setattr(loading, "build_model", build_model)  # building is fine here; reading data is not
+    real_open = loading.safe_open
+
+    class HeadersOnly:
+        def __init__(self, *a, **k):
+            self.handle = real_open(*a, **k)
+
+        def __enter__(self):
+            self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_slice(self, name):
+            return self.handle.get_slice(name)
+
+        def get_tensor(self, name):
+            pytest.fail("tensor data was read")
+
+    monkeypatch.setattr(loading, "safe_open", HeadersOnly)
+    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.up_proj.weight: checkpoint \(96, 63\) vs model \(96, "
+                                              r"64\)"):
+        beaconkv.load_model(ckpt)
+
+
+# --------------------------------------------------------------------------------------------
+# injected components: their own buffers are real after loading
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+class MaskedAttention(Attention):
+    """The default attention, with its logit scale and a (neutral) key mask as non-persistent buffers."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.register_buffer("logit_scale", torch.tensor(1.0 / math.sqrt(kwargs["head_dim"])), persistent=False)
+        self.register_buffer("head_mask", torch.ones(kwargs["n_heads"], 1, 1), persistent=False)
+
+    def forward(self, x, positions, rotary, valid=None, cache=None, decode=False):
+        assert self.logit_scale.device == x.device and self.head_mask.device == x.device
+        self.scale = self.logit_scale.item()
+        return super().forward(x, positions, rotary, valid, cache, decode)
+
+
+class CountingMLP(SwiGLUMLP):
+    """SwiGLU with a buffer made from constants, and a count of how often it is constructed."""
+
+    made = 0
+
+    def __init__(self, config):
+        super().__init__(config.hidden_size, config.intermediate_size)
+        CountingMLP.made += 1
+        self.register_buffer("gain", torch.full((config.hidden_size,), 2.0), persistent=False)
+
+    def forward(self, x):
+        return super().forward(x) * (self.gain / 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_persistent_buffers_of_injected_components_are_materialised(tiny_models, device):
+    d = tiny_models["qwen3"][0]
+    CountingMLP.made = 0
+    model = beaconkv.load_model(d, device=device, attention=MaskedAttention, mlp=CountingMLP)
+    assert CountingMLP.made == model.config.num_hidden_layers  # each component's __init__ ran once
+    layer = model.model.layers[1]
+    assert layer.self_attn.logit_scale.device.type == device and layer.mlp.gain.device.type == device
+    assert layer.self_attn.logit_scale.item() == pytest.approx(1 / math.sqrt(24))
+    assert torch.equal(layer.mlp.gain.cpu(), torch.full((64,), 2.0)) and layer.self_attn.head_mask.dtype == torch.float32
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    ids = torch.arange(3, 30, device=device)[None]
+    reference = beaconkv.load_model(d, device=device)
+    torch.testing.assert_close(model(ids), reference(ids), atol=0, rtol=0)
+    cache = KVCache.allocate(2, 1, 2, 4, 40, 24, device=device)
+    logits = model.prefill(ids, torch.ones_like(ids, dtype=torch.bool), cache)
+    assert torch.isfinite(logits).all()
+
+
+def test_a_buffer_computed_from_a_parameter_is_named(tiny_models):
+    class FromWeight(Attention):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.register_buffer("q_norm_sq", self.q_proj.weight.pow(2).sum(), persistent=False)
+
+    with pytest.raises(MetaTensorError, match=r"model.layers.0.self_attn.q_norm_sq \(a buffer of FromWeight\) is still "
+                                              r"on the meta device: its __init__ computed it from a parameter"):
+        beaconkv.load_model(tiny_models["qwen2"][0], attention=FromWeight)
+
+
+def test_the_parameter_hook_is_gone_after_loading(tiny_models):
+    beaconkv.load_model(tiny_models["qwen2"][0])
+    assert not torch.nn.Linear(2, 2).weight.is_meta
+    with pytest.raises(ZeroDivisionError):
+        beaconkv.load_model(tiny_models["qwen2"][0], attention=lambda **kw: 1 / 0)
+    assert not torch.nn.Linear(2, 2).weight.is_meta
