@@ -6,6 +6,10 @@ the way Hugging Face renders it (sandboxed environment, ``trim_blocks``/``lstrip
 ``raise_exception``, ``tojson``, ``strftime_now``), so template switches such as Qwen3's
 ``enable_thinking`` work. End-of-sequence ids come from ``generation_config.json`` (falling back
 to ``config.json`` and the tokenizer's eos token).
+
+Every file is checked as it is read: a ``tokenizer.json`` the ``tokenizers`` library refuses (invalid
+UTF-8, garbage JSON, a wrong structure), a config that is not a JSON object, or a value of the wrong
+type raises :class:`TokenizerFileError` naming the file (the library's own exceptions name none).
 """
 
 from __future__ import annotations
@@ -19,20 +23,48 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .models.loading import resolve_checkpoint
+from .models.loading import CheckpointError, resolve_checkpoint
 
 
-def _token_str(tok: Any) -> str | None:
-    """``"<s>"`` or ``{"content": "<s>", ...}`` -> ``"<s>"``."""
-    if isinstance(tok, dict):
-        return tok.get("content")
-    return tok
+class TokenizerFileError(CheckpointError):
+    """A checkpoint's tokenizer files cannot be read: a ``tokenizer.json`` the ``tokenizers`` library
+    refuses, a ``tokenizer_config.json`` / ``generation_config.json`` / ``config.json`` that is not a
+    JSON object, or a chat template, special token or end-of-sequence id of the wrong type. The
+    message names the file."""
 
 
-def _as_list(x: Any) -> list[int]:
+_RESTORE = "restore the checkpoint's original file (re-download it or copy it from the model's page)"
+
+
+def _token_str(tok: Any, path: Path, key: str) -> str | None:
+    """``"<s>"`` or ``{"content": "<s>", ...}`` -> ``"<s>"`` (None stays None)."""
+    content = tok.get("content") if isinstance(tok, dict) else tok
+    if content is not None and not isinstance(content, str):
+        raise TokenizerFileError(f"{path}: {key}={str(tok)[:80]!r} must be a string or {{\"content\": string}}; "
+                                 f"{_RESTORE}.")
+    return content
+
+
+def _as_list(x: Any, path: Path, key: str) -> list[int]:
+    """An id or a list of ids -> a list of ids (None -> [])."""
     if x is None:
         return []
-    return [int(i) for i in x] if isinstance(x, (list, tuple)) else [int(x)]
+    ids = list(x) if isinstance(x, list) else [x]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise TokenizerFileError(f"{path}: {key}={str(x)[:80]} must be a token id or a list of token ids "
+                                 f"(non-negative integers); {_RESTORE}.")
+    return ids
+
+
+def _chat_template(value: Any, path: Path) -> str | None:
+    """A template string, or the ``"default"`` one (else the first) of a list of named templates."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
+        return next((t["template"] for t in value if t.get("name") == "default"), value[0]["template"])
+    raise TokenizerFileError(f"{path}: chat_template must be a string or a list of "
+                             f"{{\"name\": ..., \"template\": string}}, got {str(value)[:80]!r}; {_RESTORE}.")
 
 
 class Tokenizer:
@@ -70,25 +102,36 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: No ``tokenizer.json`` in the directory.
+            TokenizerFileError: A tokenizer file cannot be read or has a wrong structure (the message
+                names the file and what is wrong with it).
         """
         d = resolve_checkpoint(path_or_id)
         tj = d / "tokenizer.json"
         if not tj.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {d}; beaconkv needs a fast-tokenizer file.")
         tcfg = _read_json(d / "tokenizer_config.json")
-        template = tcfg.get("chat_template")
-        if (d / "chat_template.jinja").is_file():
-            template = (d / "chat_template.jinja").read_text()
-        if isinstance(template, list):  # named templates: take "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-        gen = _read_json(d / "generation_config.json")
-        cfg = _read_json(d / "config.json")
-        eos_ids = _as_list(gen.get("eos_token_id")) or _as_list(cfg.get("eos_token_id"))
+        template = _chat_template(tcfg.get("chat_template"), d / "tokenizer_config.json")
+        jinja = d / "chat_template.jinja"
+        if jinja.is_file():
+            try:
+                template = jinja.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise TokenizerFileError(f"{jinja} cannot be read as UTF-8 text ({err}); {_RESTORE}.") from None
+        gen_path, cfg_path = d / "generation_config.json", d / "config.json"
+        eos_ids = (_as_list(_read_json(gen_path).get("eos_token_id"), gen_path, "eos_token_id")
+                   or _as_list(_read_json(cfg_path).get("eos_token_id"), cfg_path, "eos_token_id"))
+        try:
+            tokenizer = _HFTokenizer.from_file(str(tj))
+        except Exception as err:  # the tokenizers library raises a bare Exception that names no file
+            raise TokenizerFileError(
+                f"{tj} cannot be loaded by the tokenizers library ({str(err)[:300]}); {_RESTORE} — beaconkv needs "
+                "a fast-tokenizer tokenizer.json."
+            ) from None
         return cls(
-            _HFTokenizer.from_file(str(tj)),
+            tokenizer,
             chat_template=template,
-            bos_token=_token_str(tcfg.get("bos_token")),
-            eos_token=_token_str(tcfg.get("eos_token")),
+            bos_token=_token_str(tcfg.get("bos_token"), d / "tokenizer_config.json", "bos_token"),
+            eos_token=_token_str(tcfg.get("eos_token"), d / "tokenizer_config.json", "eos_token"),
             eos_token_ids=eos_ids,
         )
 
@@ -176,7 +219,17 @@ def _raise(message: str) -> None:
 
 
 def _read_json(p: Path) -> dict[str, Any]:
-    return json.loads(p.read_text()) if p.is_file() else {}
+    """The JSON object in ``p`` ({} if there is no such file); raises :class:`TokenizerFileError`."""
+    if not p.is_file():
+        return {}
+    try:
+        value = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, nesting...
+        raise TokenizerFileError(f"{p} is not valid UTF-8 JSON ({type(err).__name__}: {str(err)[:200]}); "
+                                 f"{_RESTORE}.") from None
+    if not isinstance(value, dict):
+        raise TokenizerFileError(f"{p} must hold a JSON object, not a {type(value).__name__}; {_RESTORE}.")
+    return value
 
 
 def load_tokenizer(path_or_id: str | Path) -> Tokenizer:

@@ -1,13 +1,15 @@
-"""Tokenizer and chat templates: parity with transformers' rendering, Qwen3's enable_thinking, eos ids."""
+"""Tokenizer and chat templates: parity with transformers' rendering, Qwen3's enable_thinking, eos ids, and an error
+naming the file for every tokenizer file that cannot be read."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 import beaconkv
-from beaconkv.tokenizer import Tokenizer
+from beaconkv.tokenizer import Tokenizer, TokenizerFileError
 
 # A template in the shape of Qwen3's: thinking switch, system turn, generation prompt.
 QWEN3_LIKE = (
@@ -89,3 +91,72 @@ def test_no_template_is_a_clear_error(embedded_dir, tmp_path):
     tok = Tokenizer.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no chat_template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# --------------------------------------------------------------------------------------------
+# every tokenizer file that cannot be read is named
+
+
+@pytest.fixture()
+def tok_dir(embedded_dir, tmp_path):
+    import shutil
+
+    for f in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(embedded_dir / f, tmp_path / f)
+    return tmp_path
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    (b"\xff\xfe garbage \x00\x81", "stream did not contain valid UTF-8"),
+    (b"{ this is not json", "key must be a string"),
+    (b"", "EOF while parsing"),
+    (b'{"model": 3}', ""),  # valid JSON, wrong structure
+    (b"[1, 2, 3]", ""),
+], ids=["invalid UTF-8", "garbage JSON", "empty", "wrong structure", "a list"])
+def test_unreadable_tokenizer_json_names_the_file(tok_dir, content, reason):
+    (tok_dir / "tokenizer.json").write_bytes(content)
+    with pytest.raises(TokenizerFileError, match=re.escape(str(tok_dir / "tokenizer.json"))
+                       + rf" cannot be loaded by the tokenizers library \(.*{re.escape(reason)}.*\); restore"):
+        Tokenizer.from_pretrained(tok_dir)
+
+
+def test_truncated_tokenizer_json_names_the_file(tok_dir):
+    text = (tok_dir / "tokenizer.json").read_bytes()
+    (tok_dir / "tokenizer.json").write_bytes(text[: len(text) // 2])
+    with pytest.raises(TokenizerFileError, match=re.escape(str(tok_dir / "tokenizer.json"))):
+        Tokenizer.from_pretrained(tok_dir)
+
+
+TC, GC = "tokenizer_config.json", "generation_config.json"
+
+
+@pytest.mark.parametrize(("name", "content", "message"), [
+    (TC, b"{not json", rf"{TC} is not valid UTF-8 JSON \(JSONDecodeError"),
+    (TC, b"\xff\xfe", rf"{TC} is not valid UTF-8 JSON \(UnicodeDecodeError"),
+    (TC, b"[1]", rf"{TC} must hold a JSON object, not a list"),
+    (TC, b'{"chat_template": 3}', rf"{TC}: chat_template must be a string or a list"),
+    (TC, b'{"chat_template": [{"name": "default"}]}', rf"{TC}: chat_template must be a string or a list"),
+    (TC, b'{"eos_token": {"content": 5}}', rf"{TC}: eos_token=.* must be a string"),
+    (GC, b'{"eos_token_id": "2"}', rf"{GC}: eos_token_id=2 must be a token id"),
+    (GC, b'{"eos_token_id": [2, 1.5]}', rf"{GC}: eos_token_id=\[2, 1.5\] must be"),
+    (GC, b'"x"', rf"{GC} must hold a JSON object, not a str"),
+    ("config.json", b"{", r"config.json is not valid UTF-8 JSON"),
+    ("chat_template.jinja", b"\xff{{ x }}", r"chat_template.jinja cannot be read as UTF-8 text"),
+])
+def test_unreadable_tokenizer_side_files_name_the_file(tok_dir, name, content, message):
+    (tok_dir / name).write_bytes(content)
+    with pytest.raises(TokenizerFileError, match=re.escape(str(tok_dir)) + "/" + message):
+        Tokenizer.from_pretrained(tok_dir)
+
+
+def test_tokenizer_file_error_is_a_checkpoint_error():
+    from beaconkv.models import CheckpointError
+
+    assert issubclass(TokenizerFileError, CheckpointError) and issubclass(TokenizerFileError, ValueError)
+
+
+def test_named_chat_templates_pick_default(tok_dir):
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert Tokenizer.from_pretrained(tok_dir).chat_template == "D"

@@ -304,7 +304,8 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
-                f"model_type={_show(model_type)} is not supported; beaconkv supports {', '.join(SUPPORTED_MODEL_TYPES)}."
+                f"model_type={_show(model_type)} is not supported; beaconkv supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}."
             )
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if raw.get(k) is None]

@@ -180,8 +180,8 @@ def _shard_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
                if not (isinstance(k, str) and isinstance(v, str) and v not in ("", ".", "..") and Path(v).name == v)]
         if not isinstance(weight_map, dict) or bad:
             what = bad[:3] if isinstance(weight_map, dict) else f"a {type(weight_map).__name__}"
-            raise CheckpointError(f"{index}: weight_map must map tensor names to file names in {directory}, got {what}; "
-                                  "restore the file from the checkpoint's source.")
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names in {directory}, got "
+                                  f"{what}; restore the file from the checkpoint's source.")
         files = sorted({directory / f for f in weight_map.values()})
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -279,7 +279,8 @@ def check_config_against_checkpoint(config: ModelConfig, headers: dict[str, Tens
         if shown and shown == list(range(len(shown))):
             fix = f"set num_hidden_layers to {len(shown)}"
         elif absent and (not shown or shown[-1] < n):
-            fix = f"restore the tensors of layers {absent[:8]}{'...' if len(absent) > 8 else ''} (a shard may be missing)"
+            more = "..." if len(absent) > 8 else ""
+            fix = f"restore the tensors of layers {absent[:8]}{more} (a shard may be missing)"
         else:
             fix = "restore the checkpoint's files (its layer indices have gaps or go past num_hidden_layers)"
         raise CheckpointError(f"{config_path}: num_hidden_layers={n}, but the checkpoint's tensors hold {held}; {fix}.")
