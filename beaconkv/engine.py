@@ -16,11 +16,19 @@ step:
    its slot is released at once — it stops being evicted and counted, and the next request can take
    it at the next step.
 
-Every request has its own sampling parameters, seed (its own generator draws its noise) and stop
-conditions, and every row of the decode step is computed independently, so a request's greedy
-tokens and kept positions are the same whether it runs alone, in a static batch, or admitted
-mid-flight into a busy pool (tested for FullKV, BeaconKV and SnapKV). Text is detokenised
-incrementally (:mod:`beaconkv.detokenize`).
+Every request has its own sampling parameters (logit bias, penalties and log-probabilities
+included), seed (its own generator draws its noise) and stop conditions, and every row of the
+decode step is computed independently, so a request's greedy tokens and kept positions are the same
+whether it runs alone, in a static batch, or admitted mid-flight into a busy pool (tested for
+FullKV, BeaconKV and SnapKV). Text is detokenised incrementally (:mod:`beaconkv.detokenize`).
+
+**Faults stay with their request.** Whatever one request's own work raises — writing its sampling
+row, drawing its noise, its prefill (a batched prefill that fails is retried request by request),
+sampling its first token, detokenising, its ``on_event`` callback — ends that request alone, with
+``finish_reason="error"`` and the message in :attr:`Completion.error`; the other rows go on with the
+very tokens they would have had without it. A decode step is one computation over every row, so a
+step that raises ends every running request the same way (their slots are freed; the pool serves
+the next requests). :meth:`Engine.step` itself does not raise for a request's fault.
 
 The engine is driven from one thread (:meth:`Engine.step`, :meth:`Engine.run`); :meth:`Engine.submit`
 and :meth:`Engine.cancel` may be called from others (the HTTP server does).
@@ -29,6 +37,7 @@ and :meth:`Engine.cancel` may be called from others (the HTTP server does).
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -46,6 +55,15 @@ from .sampling import RowSampling, SamplingParams, sample_rows
 from .session import Session
 from .storage import KVStorage
 from .tokenizer import Tokenizer
+
+
+logger = logging.getLogger("beaconkv.engine")
+"""Where the engine logs the failure of a request (with its traceback)."""
+
+MAX_STOP_STRINGS = 16
+"""Most stop strings one request may have (each is looked for after every token)."""
+MAX_STOP_CHARS = 1024
+"""Longest stop string, in characters."""
 
 
 class EngineError(ValueError):
@@ -71,10 +89,11 @@ class Request:
     Attributes:
         prompt: Prompt token ids (already rendered with a chat template if wanted).
         max_new_tokens: Most new tokens.
-        sampling: Temperature, top-p, top-k (greedy by default).
+        sampling: Temperature, top-p, top-k, logit bias, penalties and log-probabilities (greedy by default).
         seed: Seeds this request's own noise generator (None: the engine's seed sequence).
         eos_token_ids: Ids that end the request (included in its tokens); None: the tokenizer's.
-        stop: Strings that end the request; the text ends before the first one (needs a tokenizer).
+        stop: Strings that end the request; the text ends before the first one (needs a tokenizer; at most
+            :data:`MAX_STOP_STRINGS` of at most :data:`MAX_STOP_CHARS` characters).
         on_event: Called with every :class:`Event` of this request (streaming), on the engine's thread.
         tag: Anything the caller wants back in the :class:`Completion`.
     """
@@ -90,6 +109,22 @@ class Request:
 
 
 @dataclass
+class TokenLogprob:
+    """The model's log-probabilities at one generated token (raw logits: before bias, penalties, temperature).
+
+    Attributes:
+        token_id: The chosen token.
+        logprob: Its log-probability.
+        top: The ``k`` most likely tokens (``k`` = the request's ``sampling.logprobs``) as
+            ``(token id, log-probability)`` pairs, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class Completion:
     """A finished request.
 
@@ -97,14 +132,17 @@ class Completion:
         request_id: The id :meth:`Engine.submit` returned.
         token_ids: New tokens (ending with the end-of-sequence id when that ended it).
         text: Their text (special tokens skipped; cut before a stop string).
-        finish_reason: ``"stop"`` (end-of-sequence id or stop string), ``"length"`` or ``"cancelled"``.
+        finish_reason: ``"stop"`` (end-of-sequence id or stop string), ``"length"``, ``"cancelled"``, or
+            ``"error"`` (the request failed; see ``error``).
         prompt_tokens: Prompt length.
         evictions: Evictions of its slot while it ran.
         queued_s: Seconds from submit to admission.
         time_to_first_token_s: Seconds from submit to its first token.
         wall_s: Seconds from submit to the end.
-        slot: The slot it ran in.
+        slot: The slot it ran in (-1: never admitted).
         tag: The request's ``tag``.
+        logprobs: One entry per new token when the request asked for ``sampling.logprobs`` (else None).
+        error: Why the request failed (``finish_reason == "error"``), else None.
     """
 
     request_id: int
@@ -118,6 +156,8 @@ class Completion:
     wall_s: float
     slot: int
     tag: object = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -126,15 +166,17 @@ class Event:
 
     Attributes:
         request_id: The request.
-        token_id: The new token (None for a cancellation).
+        token_id: The new token (None for a cancellation or a failure).
         text: The new text it completes (may be empty).
         completion: Set when this event ends the request.
+        logprob: The new token's log-probabilities, when the request asked for them.
     """
 
     request_id: int
     token_id: int | None
     text: str
     completion: Completion | None = None
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -149,7 +191,9 @@ class _Running:
     generator: torch.Generator | None
     stops: frozenset[int]
     detok: IncrementalDetokenizer | None
+    stop_ends: list[tuple[str, dict[str, list[int]]]] = field(default_factory=list)  # see _stop_ends
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
     sent: int = 0  # characters of detok.text already emitted
     first_token: float = 0.0
 
@@ -250,8 +294,14 @@ class Engine:
         self._cancelled: set[int] = set()
         self._slots: list[_Running | None] = [None] * max_batch
         self._params: list[SamplingParams] = [SamplingParams()] * max_batch
-        self._sampling = RowSampling.of(self._params, self.device)
+        self._sampling = RowSampling.of(self._params, self.device, vocab_size=self.vocab_size)
+        self.session.decoder.prepare(self._sampling)  # written in place by every step (static under CUDA graphs)
         self._tokens = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (token ids and logit-bias ids lie in ``0 .. vocab_size - 1``)."""
+        return self.model.config.vocab_size
 
     # ------------------------------------------------------------------------------- requests
     def validate(self, request: Request) -> None:
@@ -259,7 +309,9 @@ class Engine:
 
         Raises:
             EngineError: An empty prompt, one longer than a slot's prompt capacity, more new tokens
-                than the engine allows, or stop strings without a tokenizer.
+                than the engine allows, sampling that is not a :class:`~beaconkv.sampling.SamplingParams`
+                or biases a token outside the vocabulary, stop strings without a tokenizer, or more or
+                longer stop strings than :data:`MAX_STOP_STRINGS` and :data:`MAX_STOP_CHARS`.
         """
         n = len(request.prompt)
         if n == 0:
@@ -275,7 +327,20 @@ class Engine:
                               "ask for fewer or make the engine with a larger max_new_tokens.")
         if request.stop and self.tokenizer is None:
             raise EngineError("stop strings need a tokenizer; make the engine with one, or use eos_token_ids.")
-        vocab = self.model.config.vocab_size
+        stops = list(request.stop)
+        if len(stops) > MAX_STOP_STRINGS:
+            raise EngineError(f"{len(stops)} stop strings are more than {MAX_STOP_STRINGS}; give fewer.")
+        bad_stop = [s for s in stops if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS]
+        if bad_stop:
+            shown = repr(bad_stop[0]) if len(repr(bad_stop[0])) <= 60 else repr(bad_stop[0])[:57] + "..."
+            raise EngineError(f"stop string {shown} must be a non-empty string of at most {MAX_STOP_CHARS} "
+                              "characters.")
+        if not isinstance(request.sampling, SamplingParams):
+            raise EngineError(f"sampling={request.sampling!r} must be a beaconkv.sampling.SamplingParams.")
+        vocab = self.vocab_size
+        if request.sampling.logit_bias and request.sampling.logit_bias[-1][0] >= vocab:
+            raise EngineError(f"logit_bias names token {request.sampling.logit_bias[-1][0]}, outside the vocabulary "
+                              f"0 .. {vocab - 1} of this model; bias this model's token ids.")
         bad = [(i, int(t)) for i, t in enumerate(request.prompt) if not 0 <= int(t) < vocab]
         if bad:
             i, t = bad[0]
@@ -341,26 +406,41 @@ class Engine:
     def step(self) -> list[Event]:
         """Admits waiting requests, decodes one token for every running one, finishes what is done.
 
+        A request whose own work fails ends with ``finish_reason="error"`` (see the module docstring);
+        so does every running request when the decode step itself fails.
+
         Returns:
             The events of this step (new tokens, text, completions), in slot order.
         """
         events: list[Event] = []
         self._apply_cancellations(events)
         self._admit(events)
-        if self.running:
-            t0 = time.perf_counter()
-            nxt = self.session.step(self._tokens, self._sampling, self._noise(self._slots))
+        if not self.running:
+            return events
+        t0 = time.perf_counter()
+        noise = self._noise(self._slots, events)
+        if not self.running:
+            return events
+        try:
+            nxt = self.session.step(self._tokens, self._sampling, noise)
             tokens = nxt.tolist()  # the host needs them: stops, streaming, admissions
-            if self.on_step is not None:
-                self.on_step(self.stats.steps, self.session)
-            self.stats.decode_s += time.perf_counter() - t0
-            self.stats.steps += 1
-            self.stats.busy_slot_steps += self.running
-            self._tokens.copy_(nxt)
-            now = time.perf_counter()
-            for slot, run in enumerate(self._slots):
+            logprobs = self._read_logprobs(self._sampling, self._slots, tokens)
+        except Exception as err:  # one computation over every row: no single request to blame
+            logger.exception("beaconkv engine: a decode step failed; its %d running requests fail", self.running)
+            for run in list(self._slots):
                 if run is not None:
-                    self._emit(run, tokens[slot], now, events)
+                    self._fail(run, f"the decode step failed ({type(err).__name__}: {err})", events)
+            return events
+        if self.on_step is not None:
+            self.on_step(self.stats.steps, self.session)
+        self.stats.decode_s += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.busy_slot_steps += self.running
+        self._tokens.copy_(nxt)
+        now = time.perf_counter()
+        for slot, run in enumerate(self._slots):
+            if run is not None:
+                self._emit_isolated(run, tokens[slot], logprobs[slot], now, events)
         return events
 
     def run(self, requests: Iterable[Request] = ()) -> list[Completion]:
@@ -384,11 +464,36 @@ class Engine:
             batch = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
         if not batch:
             return
-        slots = free[: len(batch)]
         t0 = time.perf_counter()
-        logits = self.session.prefill([list(map(int, req.prompt)) for _, req, _, _ in batch], rows=slots)
+        runs = [run for run in (self._start(waiting, slot, events) for waiting, slot in zip(batch, free))
+                if run is not None]
+        if not runs:
+            return
+        try:
+            prefilled = [(runs, self.session.prefill([list(map(int, r.request.prompt)) for r in runs],
+                                                     rows=[r.slot for r in runs]))]
+        except Exception as err:
+            if len(runs) == 1:
+                self._fail(runs[0], f"its prefill failed ({type(err).__name__}: {err})", events, err)
+                return
+            prefilled = []  # retry one by one: only a request whose own prefill fails fails
+            for run in runs:
+                try:
+                    prefilled.append(([run], self.session.prefill([list(map(int, run.request.prompt))],
+                                                                  rows=[run.slot])))
+                except Exception as one:
+                    self._fail(run, f"its prefill failed ({type(one).__name__}: {one})", events, one)
         admitted = time.perf_counter()
-        for (rid, req, submitted, seed), slot in zip(batch, slots):
+        for group, logits in prefilled:
+            for run in group:
+                run.admitted = admitted
+            self._first_tokens(group, logits, events)
+        self.stats.prefill_s += time.perf_counter() - t0
+
+    def _start(self, waiting: tuple[int, Request, float, int], slot: int, events: list[Event]) -> _Running | None:
+        """Takes a slot for a waiting request and writes its sampling row; None (and a failure event) if that fails."""
+        rid, req, submitted, seed = waiting
+        try:
             gen = None
             if not req.sampling.greedy:
                 gen = torch.Generator(device=self.device)
@@ -396,38 +501,144 @@ class Engine:
             eos = req.eos_token_ids if req.eos_token_ids is not None else (
                 self.tokenizer.eos_token_ids if self.tokenizer is not None else [])
             detok = IncrementalDetokenizer(self.tokenizer.decode) if self.tokenizer is not None else None
-            self._slots[slot] = _Running(rid, req, slot, submitted, admitted, gen, frozenset(eos), detok)
+            run = _Running(rid, req, slot, submitted, submitted, gen, frozenset(eos), detok,
+                           stop_ends=[(s, _stop_ends(s)) for s in req.stop],
+                           logprobs=[] if req.sampling.logprobs is not None else None)
             self._params[slot] = req.sampling
-        for slot in slots:
-            self._sampling.set_row(slot, self._params[slot], [self._params[s] for s in self._live_slots()])
-        first = sample_rows(logits, _take_rows(self._sampling, slots), self._noise([self._slots[s] for s in slots]))
-        self.stats.prefill_s += time.perf_counter() - t0
-        self._tokens[torch.tensor(slots, device=self.device)] = first
+            self._sampling.set_row(slot, req.sampling, [self._params[s] for s in [*self._live_slots(), slot]])
+        except Exception as err:
+            self._params[slot] = SamplingParams()
+            logger.exception("beaconkv engine: request %d could not start", rid)
+            now = time.perf_counter()
+            self.stats.finished += 1
+            reason = f"its sampling could not be set up ({type(err).__name__}: {err})"
+            comp = Completion(rid, [], "", "error", len(req.prompt), 0, now - submitted, 0.0, now - submitted, -1,
+                              req.tag, error=f"the request failed: {reason}")
+            self._deliver_safely(req, Event(rid, None, "", comp), events)
+            return None
+        self._slots[slot] = run
+        return run
+
+    def _first_tokens(self, runs: list[_Running], logits: Tensor, events: list[Event]) -> None:
+        """Samples the first token of freshly prefilled requests (one by one if the batch fails) and emits it."""
+        noise = self._noise(runs, events)
+        live = [(i, r) for i, r in enumerate(runs) if self._slots[r.slot] is r]
+        if not live:
+            return
+        rows = torch.tensor([i for i, _ in live], device=logits.device)
+        logits = logits[rows]
+        noise = None if noise is None else noise[rows]
+        runs = [r for _, r in live]
+        try:
+            picked = [self._sample_first(runs, logits, noise)]
+        except Exception:
+            picked = []
+            for i, run in enumerate(runs):
+                try:
+                    picked.append(self._sample_first([run], logits[i : i + 1],
+                                                     None if noise is None else noise[i : i + 1]))
+                except Exception as err:
+                    self._fail(run, f"its first token could not be sampled ({type(err).__name__}: {err})",
+                               events, err)
         now = time.perf_counter()
-        for slot, token in zip(slots, first.tolist()):
-            self._emit(self._slots[slot], token, now, events)
+        for group, tokens, logprobs in picked:
+            for run, token, logprob in zip(group, tokens, logprobs):
+                self._emit_isolated(run, token, logprob, now, events)
+
+    def _sample_first(self, runs: list[_Running], logits: Tensor, noise: Tensor | None,
+                      ) -> tuple[list[_Running], list[int], list[TokenLogprob | None]]:
+        slots = [r.slot for r in runs]
+        part = self._sampling.take(slots)
+        first = sample_rows(logits, part, noise)
+        self._sampling.put_counts(slots, part)
+        self._tokens[torch.tensor(slots, device=self.device)] = first
+        tokens = first.tolist()
+        return runs, tokens, self._read_logprobs(part, runs, tokens)
+
+    def _read_logprobs(self, sampling: RowSampling, runs: Sequence[_Running | None],
+                       tokens: Sequence[int]) -> list[TokenLogprob | None]:
+        """Each row's log-probabilities from ``sampling`` (after it chose ``tokens``), for the runs that asked."""
+        if not sampling.mode.logprobs:
+            return [None] * len(runs)
+        chosen, top, ids = sampling.logprob.tolist(), sampling.top_logprobs.tolist(), sampling.top_ids.tolist()
+        out: list[TokenLogprob | None] = []
+        for row, run in enumerate(runs):
+            k = None if run is None else run.request.sampling.logprobs
+            out.append(None if k is None else TokenLogprob(tokens[row], chosen[row],
+                                                           list(zip(ids[row][:k], top[row][:k]))))
+        return out
 
     def _live_slots(self) -> list[int]:
         return [s for s, r in enumerate(self._slots) if r is not None]
 
-    def _noise(self, runs: Sequence[_Running | None]) -> Tensor | None:
+    def _noise(self, runs: Sequence[_Running | None], events: list[Event]) -> Tensor | None:
         """Race noise, one row per entry: a sampled request's row from its own generator, others 1.
 
-        None when no entry samples (a greedy batch needs no noise).
+        None when no entry samples (a greedy batch needs no noise). A run whose draw fails fails.
         """
         if not any(run is not None and run.generator is not None for run in runs):
             return None
-        noise = torch.ones(len(runs), self.model.config.vocab_size, dtype=torch.float32, device=self.device)
+        noise = torch.ones(len(runs), self.vocab_size, dtype=torch.float32, device=self.device)
         for row, run in enumerate(runs):
             if run is not None and run.generator is not None:
-                noise[row].exponential_(1.0, generator=run.generator)
+                try:
+                    noise[row].exponential_(1.0, generator=run.generator)
+                except Exception as err:
+                    noise[row] = 1.0
+                    self._fail(run, f"its sampling noise could not be drawn ({type(err).__name__}: {err})",
+                               events, err)
         return noise
 
-    def _emit(self, run: _Running, token: int, now: float, events: list[Event]) -> None:
+    def _emit_isolated(self, run: _Running, token: int, logprob: TokenLogprob | None, now: float,
+                       events: list[Event]) -> None:
+        """:meth:`_emit`, failing only this request if its detokenising, stops or callback raise."""
+        try:
+            self._emit(run, token, logprob, now, events)
+        except Exception as err:
+            self._fail(run, f"its token could not be handled ({type(err).__name__}: {err})", events, err)
+
+    def _fail(self, run: _Running, reason: str, events: list[Event], err: BaseException | None = None) -> None:
+        """Ends a running request with ``finish_reason="error"`` (if it has not ended already) and tells its owner."""
+        if err is not None:
+            logger.error("beaconkv engine: request %d failed: %s", run.id, reason, exc_info=err)
+        if self._slots[run.slot] is not run:
+            return
+        comp = self._finish(run, "error", time.perf_counter())
+        comp.error = f"the request failed: {reason}"
+        self._deliver_safely(run.request, Event(run.id, None, "", comp), events)
+
+    def _deliver_safely(self, request: Request, ev: Event, events: list[Event]) -> None:
+        events.append(ev)
+        if request.on_event is not None:
+            try:
+                request.on_event(ev)
+            except Exception:
+                logger.exception("beaconkv engine: the on_event callback of request %d failed", ev.request_id)
+
+    def abort(self, reason: str) -> list[Event]:
+        """Ends every running request with ``finish_reason="error"`` (the caller of :meth:`step` hit a fault).
+
+        Waiting requests stay queued. Call it from the thread that steps the engine.
+
+        Args:
+            reason: Why (becomes each :attr:`Completion.error`).
+
+        Returns:
+            The events of the ended requests (their callbacks were called too).
+        """
+        events: list[Event] = []
+        for run in list(self._slots):
+            if run is not None:
+                self._fail(run, reason, events)
+        return events
+
+    def _emit(self, run: _Running, token: int, logprob: TokenLogprob | None, now: float, events: list[Event]) -> None:
         if not run.tokens:
             run.first_token = now
         run.tokens.append(token)
         self.stats.generated_tokens += 1
+        if logprob is not None:
+            run.logprobs.append(logprob)
         text, stopped = "", False
         if run.detok is not None:
             run.detok.push(token)
@@ -437,7 +648,7 @@ class Engine:
             reason = "stop"
         elif len(run.tokens) >= run.request.max_new_tokens:
             reason = "length"
-        ev = Event(run.id, token, text)
+        ev = Event(run.id, token, text, logprob=logprob)
         if reason is not None:
             ev.completion = self._finish(run, reason, now)
         self._deliver(run, ev, events)
@@ -452,7 +663,10 @@ class Engine:
                 end = min(hit)
                 text, run.sent = full[run.sent : end], end
                 return text, True
-            hold = max((k for s in stops for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
+            # hold back the longest tail that begins a stop string: only prefixes ending in full's last character
+            last = full[-1:]
+            hold = max((next((k for k in ends.get(last, ()) if full.endswith(s[:k])), 0) for s, ends in run.stop_ends),
+                       default=0)
             end = len(full) - hold
         else:
             end = len(full)
@@ -473,7 +687,7 @@ class Engine:
         return Completion(
             run.id, list(run.tokens), text, reason, len(run.request.prompt), evictions,
             run.admitted - run.submitted, (run.first_token or now) - run.submitted, now - run.submitted, run.slot,
-            run.request.tag,
+            run.request.tag, None if run.logprobs is None else list(run.logprobs),
         )
 
     def _deliver(self, run: _Running, ev: Event, events: list[Event]) -> None:
@@ -491,15 +705,16 @@ class Engine:
             self.stats.finished += 1
             comp = Completion(rid, [], "", "cancelled", len(req.prompt), 0, now - submitted, 0.0, now - submitted, -1,
                               req.tag)
-            ev = Event(rid, None, "", comp)
-            events.append(ev)
-            if req.on_event is not None:
-                req.on_event(ev)
+            self._deliver_safely(req, Event(rid, None, "", comp), events)
         for run in list(self._slots):
             if run is not None and run.id in cancelled:
-                self._deliver(run, Event(run.id, None, "", self._finish(run, "cancelled", now)), events)
+                self._deliver_safely(run.request, Event(run.id, None, "", self._finish(run, "cancelled", now)), events)
 
 
-def _take_rows(sampling: RowSampling, rows: list[int]) -> RowSampling:
-    index = torch.tensor(rows, device=sampling.temperature.device)
-    return RowSampling(sampling.temperature[index], sampling.top_p[index], sampling.top_k[index], sampling.mode)
+def _stop_ends(stop: str) -> dict[str, list[int]]:
+    """``{c: [k, ...]}``: the lengths ``k < len(stop)`` of the prefixes of ``stop`` that end with ``c``,
+    longest first (the text's tail can begin the stop string only with a prefix ending in its last character)."""
+    out: dict[str, list[int]] = {}
+    for k in range(len(stop) - 1, 0, -1):
+        out.setdefault(stop[k - 1], []).append(k)
+    return out

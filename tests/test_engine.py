@@ -208,3 +208,155 @@ def test_streaming_detokenises_incrementally(embedded):
     deltas = [detok.push(t) for t in ids]
     assert "".join(deltas) == tok.decode(ids) == detok.text
     assert detok.decoded_tokens <= 8 * len(ids)  # O(new tokens), not O(n^2) (that would be ~n^2/2 = 1.5M here)
+
+
+# ------------------------------------------------------------------ faults stay with their request
+def _corrupt(params: SamplingParams, **fields) -> SamplingParams:
+    """``params`` with fields changed after its checks: a value a validation missed (the overflows once seen)."""
+    for name, value in fields.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+def _collect(engine, done):
+    for ev in engine.step():
+        if ev.completion is not None:
+            done[ev.request_id] = ev.completion
+
+
+FAULTS = ["temperature-overflow", "top_k-overflow", "callback", "prefill"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_failing_request_fails_alone_and_the_others_finish_identically(llama, fault, monkeypatch):
+    """A busy pool: A runs; B and a failing request are admitted together mid-flight. The failing one ends with
+    finish_reason "error" (its own fault: sampling values that overflow the row tensors, a callback that
+    raises mid-decode, a prefill that raises), A and B give the very tokens they give without it, and the
+    engine serves the next request."""
+    a = Request(_prompt(11, 30), max_new_tokens=40, eos_token_ids=[])
+    b = Request(_prompt(7, 31), max_new_tokens=30, eos_token_ids=[], seed=3,
+                sampling=SamplingParams(temperature=0.9, top_k=30, presence_penalty=0.5))
+    bad_prompt = _prompt(9, 32)
+
+    def bad_request():
+        if fault == "temperature-overflow":
+            return Request(bad_prompt, 20, _corrupt(SamplingParams(temperature=0.5), temperature=1e39), seed=1)
+        if fault == "top_k-overflow":
+            return Request(bad_prompt, 20, _corrupt(SamplingParams(temperature=0.5), top_k=2**63), seed=1)
+        if fault == "callback":
+            def on_event(ev):
+                if ev.token_id is not None and ev.completion is None and len(seen) == 2:
+                    raise RuntimeError("the client's callback broke")
+                seen.append(ev)
+            seen = []
+            return Request(bad_prompt, 20, eos_token_ids=[], on_event=on_event)
+        return Request(bad_prompt, 20, eos_token_ids=[])
+
+    def run(with_fault):
+        engine = _engine(llama, "beacon")
+        if fault == "prefill" and with_fault:
+            real = engine.session.prefill
+
+            def prefill(prompts, rows=None):
+                if bad_prompt in prompts:
+                    raise RuntimeError("out of memory in the prefill")
+                return real(prompts, rows)
+
+            monkeypatch.setattr(engine.session, "prefill", prefill)
+        done = {}
+        first = engine.submit(a)
+        for _ in range(5):
+            _collect(engine, done)
+        ids = [first, engine.submit(b)] + ([engine.submit(bad_request())] if with_fault else [])
+        while not engine.idle:
+            _collect(engine, done)
+        after = engine.run([Request(_prompt(6, 33), 12, eos_token_ids=[])])[0]
+        return [done[i] for i in ids], after
+
+    clean, clean_after = run(False)
+    (got_a, got_b, failed), after = run(True)
+    assert failed.finish_reason == "error" and failed.error.startswith("the request failed: ")
+    expected = {"temperature-overflow": "overflow", "top_k-overflow": "Overflow", "callback": "callback broke",
+                "prefill": "out of memory"}[fault]
+    assert expected in failed.error
+    assert got_a.token_ids == clean[0].token_ids and got_b.token_ids == clean[1].token_ids
+    assert got_a.finish_reason == got_b.finish_reason == "length" and got_a.evictions == clean[0].evictions
+    assert after.token_ids == clean_after.token_ids
+
+
+def test_a_failing_decode_step_fails_its_requests_and_the_engine_goes_on(llama, monkeypatch):
+    engine = _engine(llama, "beacon")
+    done = {}
+    ids = [engine.submit(Request(_prompt(8, 40 + i), 30, eos_token_ids=[])) for i in range(2)]
+    for _ in range(3):
+        _collect(engine, done)
+    real = engine.session.step
+    calls = []
+
+    def step(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the device went away")
+        return real(*args)
+
+    monkeypatch.setattr(engine.session, "step", step)
+    _collect(engine, done)  # does not raise: the step's requests fail
+    assert [done[i].finish_reason for i in ids] == ["error", "error"] and engine.idle
+    assert "the decode step failed (RuntimeError: the device went away)" in done[ids[0]].error
+    target = Request(_prompt(10, 50), 25, eos_token_ids=[])
+    assert engine.run([target])[0].token_ids == _engine(llama, "beacon").run([target])[0].token_ids
+
+
+def test_new_request_fields_are_checked_against_the_engine(llama):
+    engine = _engine(llama, "full")
+    with pytest.raises(EngineError, match="logit_bias names token 97, outside the vocabulary 0 .. 96"):
+        engine.submit(Request([1, 2], 4, SamplingParams(logit_bias={97: 1.0})))
+    with pytest.raises(EngineError, match="must be a beaconkv.sampling.SamplingParams"):
+        engine.submit(Request([1, 2], 4, sampling={"temperature": 0.5}))
+    tokenized = Engine(llama, _WordTokenizer(), max_batch=1, prompt_capacity=8, max_new_tokens=8)
+    with pytest.raises(EngineError, match="17 stop strings are more than 16"):
+        tokenized.submit(Request([1, 2], 4, stop=[f"s{i}" for i in range(17)]))
+    with pytest.raises(EngineError, match="at most 1024 characters"):
+        tokenized.submit(Request([1, 2], 4, stop=["x" * 1025]))
+
+
+class _WordTokenizer:
+    """Just enough of a tokenizer for stop strings: token ``i`` reads ``w<i> ``."""
+
+    eos_token_ids: list[int] = []
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"w{i} " for i in ids)
+
+
+def test_bias_penalties_and_logprobs_through_the_engine_equal_a_step_by_step_reference(llama):
+    """OpenAI's semantics, one token at a time on a plain session: logits + bias - presence * (count > 0)
+    - frequency * count over the tokens generated so far; logprobs of the raw logits."""
+    from beaconkv.session import Session
+
+    prompt, n = _prompt(10, 60), 30
+    params = SamplingParams(presence_penalty=0.8, frequency_penalty=0.6, logit_bias={7: 2.5, 8: -100}, logprobs=2)
+    company = [Request(_prompt(9, 61), n, eos_token_ids=[]),
+               Request(_prompt(12, 62), n, SamplingParams(temperature=1.1, frequency_penalty=-1.0), seed=4,
+                       eos_token_ids=[])]
+    got = _engine(llama, "full").run([company[0], Request(prompt, n, params, eos_token_ids=[]), company[1]])[1]
+
+    session = Session.for_prompts(llama, None, [len(prompt)], n, kernels="model")
+    logits = session.prefill([prompt])[0]
+    bias, counts = torch.zeros(97), torch.zeros(97)
+    bias[7], bias[8] = 2.5, -100.0
+    tokens, logprobs = [], []
+    with torch.inference_mode():
+        for _ in range(n):
+            token = int((logits + bias - 0.8 * (counts > 0) - 0.6 * counts).argmax())
+            tokens.append(token)
+            logprobs.append(logits.log_softmax(-1))
+            counts[token] += 1
+            logits = session.step_logits(torch.tensor([token]))[0]
+    assert got.token_ids == tokens and 8 not in tokens and len(set(tokens)) > 5
+    assert [e.token_id for e in got.logprobs] == tokens
+    for entry, lp in zip(got.logprobs, logprobs):
+        assert entry.logprob == pytest.approx(lp[entry.token_id].item(), abs=1e-5)
+        top = lp.topk(2)
+        assert [t for t, _ in entry.top] == top.indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-5)
