@@ -102,17 +102,24 @@ def _integer(name: str, value: Any, low: int = 1, high: int | None = None) -> in
     return value
 
 
-def _number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = True) -> float:
-    """Returns ``value`` as a float if it is a finite JSON number in its range; raises :class:`ConfigFileError`."""
+def _number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> float:
+    """Returns ``value`` as a float if it is a finite JSON number in ``[low, high]`` (``(low, high]`` when
+    ``low_open``); raises :class:`ConfigFileError`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigFileError(f"{name}={_show(value)} must be a number, not {_json_type(value)}; {_RESTORE}.")
-    value = float(value)
-    below = value <= low if low_open else value < low
-    if not math.isfinite(value) or below or value >= high:
-        bounds = (f"greater than {low}" if low_open else f"at least {low}") + (
-            f" and less than {high}" if math.isfinite(high) else "")
-        raise ConfigFileError(f"{name}={value} must be a finite number {bounds}; {_RESTORE}.")
-    return value
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too large for a float
+        number = math.inf
+    below = number <= low if low_open else number < low
+    if not math.isfinite(number) or below or number > high:
+        def fmt(x: float) -> str:
+            return str(int(x)) if x.is_integer() else f"{x:g}"
+
+        bounds = (f"greater than {fmt(low)}" if low_open else f"at least {fmt(low)}") + (
+            f" and at most {fmt(high)}" if math.isfinite(high) else "")
+        raise ConfigFileError(f"{name}={_show(value)} must be a finite number {bounds}; {_RESTORE}.")
+    return number
 
 
 def _boolean(name: str, value: Any) -> bool:
@@ -143,7 +150,7 @@ class RopeConfig:
     Attributes:
         theta: Base of the geometric frequency progression (``rope_theta``); finite and above 1.
         rope_type: ``"default"``, ``"linear"``, ``"llama3"`` or ``"yarn"``.
-        factor: Scaling factor for the scaled variants; finite and positive.
+        factor: Scaling factor for the scaled variants, in ``[1, 2**24]``.
         params: The remaining type-specific parameters, with Hugging Face key names
             (``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``,
             ``beta_fast``, ``beta_slow``, ``attention_factor``, ``mscale``, ``mscale_all_dim``, ``truncate``).
@@ -163,29 +170,27 @@ class RopeConfig:
             raise UnsupportedModelError(
                 f"rope_type={_show(self.rope_type)} is not supported; beaconkv supports {', '.join(_ROPE_TYPES)}."
             )
-        self.theta = _number("rope_theta", self.theta, low=1.0)
-        self.factor = _number("rope_scaling.factor", self.factor, low=0.0)
+        self.theta = _number("rope_theta", self.theta, low=1.0, low_open=True)
+        self.factor = _number("rope_scaling.factor", self.factor, *_ROPE_RANGES["factor"])
         if not isinstance(self.params, dict):
             raise ConfigFileError(f"rope parameters must be an object, not {_json_type(self.params)}.")
         p = self.params
         for key in _ROPE_REQUIRED.get(self.rope_type, ()):
-            if key not in p:
+            if p.get(key) is None:
                 raise ConfigFileError(f"{self.rope_type} rope scaling needs {key!r} in rope_scaling (or "
                                       f"rope_parameters); {_RESTORE}.")
         for key, value in p.items():
             where = f"rope_scaling.{key}"
+            if value is None:  # absent (a required one is refused above)
+                continue
             if key == "original_max_position_embeddings":
                 _integer(where, value)
             elif key == "truncate":
                 _boolean(where, value)
-            elif key in ("mscale", "mscale_all_dim"):
-                if value is not None:
-                    _number(where, value, low=0.0, low_open=False)
-            elif key in _ROPE_POSITIVE:
-                if value is not None:
-                    _number(where, value, low=0.0)
+            elif key in _ROPE_RANGES:
+                _number(where, value, *_ROPE_RANGES[key])
             elif key == "partial_rotary_factor":
-                if value is not None and _number(where, value, low=0.0) != 1.0:
+                if _number(where, value, low=0.0, low_open=True) != 1.0:
                     raise UnsupportedModelError(f"{where}={value} is not supported; beaconkv rotates every "
                                                 "dimension of a head.")
             elif isinstance(value, dict):
@@ -199,7 +204,18 @@ _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Parameters each type needs (yarn's factor may be derived from the context lengths).
 _ROPE_REQUIRED = {"llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
                   "yarn": ("original_max_position_embeddings",)}
-_ROPE_POSITIVE = ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor")
+# Sane ranges of the numeric parameters, (low, high, low_open): real configs use factors of 2-64, beta_fast 32
+# and beta_slow 1, attention factors and mscales near 1. Beyond them the float32 frequencies overflow.
+_ROPE_RANGES: dict[str, tuple[float, float, bool]] = {
+    "factor": (1.0, float(1 << 24), False),
+    "low_freq_factor": (0.0, 1e6, True),
+    "high_freq_factor": (0.0, 1e6, True),
+    "beta_fast": (1e-3, 1e6, False),
+    "beta_slow": (1e-3, 1e6, False),
+    "attention_factor": (0.0, 100.0, True),
+    "mscale": (0.0, 100.0, False),
+    "mscale_all_dim": (0.0, 100.0, False),
+}
 
 
 @dataclass
@@ -266,7 +282,7 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}; GQA needs whole groups: {_RESTORE}."
             )
-        self.rms_norm_eps = _number("rms_norm_eps", self.rms_norm_eps, low=0.0, high=1.0)
+        self.rms_norm_eps = _number("rms_norm_eps", self.rms_norm_eps, low=0.0, high=1.0, low_open=True)
         for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
             _boolean(name, getattr(self, name))
         if not isinstance(self.rope, RopeConfig):
@@ -318,10 +334,11 @@ class ModelConfig:
         head_dim = raw.get("head_dim")
         if head_dim is None:
             head_dim = hidden // heads
-            if head_dim < 2:
+            if head_dim < 2 or head_dim % 2:
                 raise ConfigFileError(
                     f"head_dim is absent, and hidden_size // num_attention_heads = {hidden} // {heads} = {head_dim} "
-                    "is no head width; add the checkpoint's head_dim to config.json."
+                    "is no head width (an even number of at least 2); add the checkpoint's head_dim to config.json, "
+                    "or restore hidden_size and num_attention_heads."
                 )
         kv_heads = raw.get("num_key_value_heads")
         eps = raw.get("rms_norm_eps")
@@ -407,7 +424,7 @@ def _refuse_unsupported_settings(raw: dict[str, Any]) -> None:
             raise UnsupportedModelError(f"layer_types {_show(other)} are not supported; beaconkv runs full attention "
                                         "in every layer.")
     partial = raw.get("partial_rotary_factor")
-    if partial is not None and _number("partial_rotary_factor", partial, low=0.0) != 1.0:
+    if partial is not None and _number("partial_rotary_factor", partial, low=0.0, low_open=True) != 1.0:
         raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported; beaconkv rotates every "
                                     "dimension of a head.")
 

@@ -247,8 +247,9 @@ def check_config_against_checkpoint(config: ModelConfig, headers: dict[str, Tens
     The number of layers must be exactly the layer indices the tensors have, the embedding must be
     ``(vocab_size, hidden_size)``, layer 0's projections must have ``num_attention_heads * head_dim``
     query rows, ``num_key_value_heads * head_dim`` key rows and ``intermediate_size`` gate rows, and
-    Qwen3's ``q_norm`` must be ``head_dim`` wide. Every other tensor's shape is compared with the built
-    model's, still without reading data, in :func:`load_model`.
+    Qwen3's ``q_norm`` must be ``head_dim`` wide. A field is blamed only where the checkpoint
+    corroborates the width (a transposed tensor is not a wrong config); every tensor's shape is
+    compared with the built model's, still without reading data, in :func:`load_model`.
 
     Args:
         config: The parsed config.
@@ -285,12 +286,17 @@ def check_config_against_checkpoint(config: ModelConfig, headers: dict[str, Tens
             fix = "restore the checkpoint's files (its layer indices have gaps or go past num_hidden_layers)"
         raise CheckpointError(f"{config_path}: num_hidden_layers={n}, but the checkpoint's tensors hold {held}; {fix}.")
 
-    hd_note = " (without head_dim in config.json, head_dim is hidden_size // num_attention_heads)"
+    # A field is blamed only where the checkpoint corroborates the width it implies (a tensor's other
+    # dimension is the config's hidden size, its companion agrees: norm / embedding, o_proj / q_proj,
+    # v_proj / k_proj, down_proj / gate_proj, k_norm / q_norm); a tensor that is merely mis-shaped
+    # (transposed, cut, swapped) is named by the comparison with the built model instead.
+    hd_note = _head_dim_note(config_path)
     embed = shape("model.embed_tokens.weight", 2)
     if embed is not None:
-        if embed[0] != c.vocab_size:
+        norm = shape("model.norm.weight", 1)
+        if embed[1] == c.hidden_size and embed[0] != c.vocab_size:
             raise fail(f"vocab_size={c.vocab_size}", "model.embed_tokens.weight", f"set vocab_size to {embed[0]}")
-        if embed[1] != c.hidden_size:
+        if embed[1] != c.hidden_size and norm == (embed[1],):
             raise fail(f"hidden_size={c.hidden_size}", "model.embed_tokens.weight", f"set hidden_size to {embed[1]}")
         if not c.tie_word_embeddings and "lm_head.weight" not in headers:
             raise CheckpointError(
@@ -299,10 +305,10 @@ def check_config_against_checkpoint(config: ModelConfig, headers: dict[str, Tens
             )
     attn = "model.layers.0.self_attn."
     q_norm = shape(attn + "q_norm.weight", 1)
-    if c.qk_norm and q_norm is not None and q_norm[0] != c.head_dim:
+    if c.qk_norm and q_norm is not None and q_norm[0] != c.head_dim and shape(attn + "k_norm.weight", 1) == q_norm:
         raise fail(f"head_dim={c.head_dim}{hd_note}", attn + "q_norm.weight", f"set head_dim to {q_norm[0]}")
-    q = shape(attn + "q_proj.weight", 2)
-    if q is not None and q[0] != c.num_attention_heads * c.head_dim:
+    q, o = shape(attn + "q_proj.weight", 2), shape(attn + "o_proj.weight", 2)
+    if q is not None and q[1] == c.hidden_size and q[0] != c.num_attention_heads * c.head_dim and o == q[::-1]:
         rows, hints = q[0], []
         if rows % c.num_attention_heads == 0:
             hints.append(f"head_dim={rows // c.num_attention_heads} with num_attention_heads={c.num_attention_heads}")
@@ -312,8 +318,8 @@ def check_config_against_checkpoint(config: ModelConfig, headers: dict[str, Tens
                    f"{c.num_attention_heads * c.head_dim} query rows{hd_note}", attn + "q_proj.weight",
                    f"set num_attention_heads and head_dim so that their product is {rows}"
                    + (f" (e.g. {' or '.join(hints)})" if hints else ""))
-    k = shape(attn + "k_proj.weight", 2)
-    if k is not None and k[0] != c.num_key_value_heads * c.head_dim:
+    k, v = shape(attn + "k_proj.weight", 2), shape(attn + "v_proj.weight", 2)
+    if k is not None and k[1] == c.hidden_size and k[0] != c.num_key_value_heads * c.head_dim and v == k:
         fix = (f"set num_key_value_heads to {k[0] // c.head_dim}" if k[0] % c.head_dim == 0 else
                f"set num_key_value_heads and head_dim so that their product is {k[0]}")
         raise fail(f"num_key_value_heads={c.num_key_value_heads} x head_dim={c.head_dim} = "
@@ -325,9 +331,19 @@ def check_config_against_checkpoint(config: ModelConfig, headers: dict[str, Tens
             f"{'has' if has_bias else 'has no'} {attn}q_proj.bias; set attention_bias to {str(has_bias).lower()}."
         )
     gate = shape("model.layers.0.mlp.gate_proj.weight", 2)
-    if gate is not None and gate[0] != c.intermediate_size:
+    down = shape("model.layers.0.mlp.down_proj.weight", 2)
+    if gate is not None and gate[1] == c.hidden_size and gate[0] != c.intermediate_size and down == gate[::-1]:
         raise fail(f"intermediate_size={c.intermediate_size}", "model.layers.0.mlp.gate_proj.weight",
                    f"set intermediate_size to {gate[0]}")
+
+
+def _head_dim_note(config_path: Path) -> str:
+    """Says how head_dim was derived, when ``config.json`` does not give it (the messages blame it)."""
+    try:
+        given = json.loads(config_path.read_text(encoding="utf-8")).get("head_dim") is not None
+    except (OSError, ValueError, AttributeError, RecursionError):
+        given = True
+    return "" if given else " (config.json has no head_dim: it is hidden_size // num_attention_heads)"
 
 
 @contextmanager
