@@ -7,6 +7,8 @@ import json
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import beaconkv
 from beaconkv.tokenizer import Tokenizer, TokenizerFileError
@@ -160,3 +162,29 @@ def test_named_chat_templates_pick_default(tok_dir):
     cfg["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
     (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert Tokenizer.from_pretrained(tok_dir).chat_template == "D"
+
+
+@pytest.mark.parametrize("kind", ["flip bytes", "truncate", "insert bytes"])
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_a_damaged_tokenizer_json_is_refused_naming_it_or_loads(embedded_dir, tmp_path_factory, kind, data):
+    """Byte-level damage ends in TokenizerFileError naming the file (never the library's bare Exception, nor a
+    panic), or in a tokenizer that still encodes and decodes."""
+    raw = bytearray((embedded_dir / "tokenizer.json").read_bytes())
+    if kind == "flip bytes":
+        for at, value in data.draw(st.lists(st.tuples(st.integers(0, len(raw) - 1), st.integers(0, 255)),
+                                            min_size=1, max_size=5), label="flips"):
+            raw[at] = value
+    elif kind == "truncate":
+        raw = raw[:data.draw(st.integers(0, len(raw) - 1), label="length")]
+    else:
+        at = data.draw(st.integers(0, len(raw)), label="at")
+        raw[at:at] = data.draw(st.binary(min_size=1, max_size=10), label="bytes")
+    d = tmp_path_factory.mktemp("damaged")
+    (d / "tokenizer.json").write_bytes(bytes(raw))
+    try:
+        tok = Tokenizer.from_pretrained(d)
+    except TokenizerFileError as err:
+        assert str(d / "tokenizer.json") in str(err)
+    else:
+        assert isinstance(tok.decode(tok.encode("Hello world")), str)

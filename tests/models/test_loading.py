@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import beaconkv
 from beaconkv.cache import KVCache
-from beaconkv.models import (Attention, CheckpointError, ConfigFileError, ModelConfig, SwiGLUMLP, UnsupportedModelError,
-                             build_model, loading)
+from beaconkv.models import (Attention, CheckpointError, ConfigFileError, ModelConfig, RotaryEmbedding, SwiGLUMLP,
+                             UnsupportedModelError, build_model, loading)
 from beaconkv.models.loading import MetaTensorError
 
 
@@ -519,6 +519,25 @@ def test_non_persistent_buffers_of_injected_components_are_materialised(tiny_mod
     assert torch.isfinite(logits).all()
 
 
+class OffsetRope(RotaryEmbedding):
+    """The checkpoint's rotary embedding at positions shifted by a non-persistent buffer."""
+
+    def __init__(self, config):
+        super().__init__(config.head_dim, config.rope)
+        self.register_buffer("shift", torch.tensor(3.0), persistent=False)
+
+    def cos_sin(self, positions):
+        return super().cos_sin(positions + self.shift)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_buffers_of_a_rope_factory_are_on_the_device(tiny_models, device):
+    model = beaconkv.load_model(tiny_models["llama"][0], device=device, rope=OffsetRope)
+    assert model.rope.shift.device.type == device and model.rope.shift.item() == 3.0
+    assert all(layer.self_attn.rope is model.rope for layer in model.model.layers)
+    assert torch.isfinite(model(torch.arange(3, 30, device=device)[None])).all()
+
+
 def test_a_buffer_computed_from_a_parameter_is_named(tiny_models):
     class FromWeight(Attention):
         def __init__(self, **kwargs):
@@ -528,6 +547,30 @@ def test_a_buffer_computed_from_a_parameter_is_named(tiny_models):
     with pytest.raises(MetaTensorError, match=r"model.layers.0.self_attn.q_norm_sq \(a buffer of FromWeight\) is still "
                                               r"on the meta device: its __init__ computed it from a parameter"):
         beaconkv.load_model(tiny_models["qwen2"][0], attention=FromWeight)
+
+
+def test_buffers_move_to_the_device_keeping_dtype_and_sharing():
+    shared = torch.arange(4)
+    a, b = torch.nn.Module(), torch.nn.Module()
+    a.register_buffer("table", shared, persistent=False)
+    b.register_buffer("table", shared, persistent=False)
+    b.register_buffer("scale", torch.tensor(0.5, dtype=torch.float64))
+    model = torch.nn.ModuleList([a, b])
+    loading._place_buffers(model, torch.device("meta"))  # a device this machine surely has
+    assert a.table.is_meta and b.scale.is_meta and b.scale.dtype == torch.float64 and a.table.dtype == torch.int64
+    assert a.table is b.table
+
+
+def test_the_parameter_hook_acts_on_the_loading_thread_only():
+    import threading
+
+    made = {}
+    with loading._parameters_on_meta():
+        inside = torch.nn.Linear(2, 2)
+        worker = threading.Thread(target=lambda: made.setdefault("other", torch.nn.Linear(2, 2)))
+        worker.start()
+        worker.join()
+    assert inside.weight.is_meta and not made["other"].weight.is_meta
 
 
 def test_the_parameter_hook_is_gone_after_loading(tiny_models):
