@@ -3,8 +3,12 @@ evicts) in a subprocess, driven with the official ``openai`` client and raw ``ht
 
 Covered: chat and text completions, streaming equal to the non-streamed text, usage, ``n`` with
 derived seeds, stop strings, 16 concurrent calls, a client that disconnects mid-stream (its slot
-frees), OpenAI-style 400s for bad input, 429 + ``Retry-After`` from a full queue, ``/health``,
-``/metrics``, ``/v1/models``, a clean Ctrl-C, and the command's one-line errors before any load.
+frees), OpenAI-style 400s for bad input (values out of the float32 / int64 ranges included), 404 for
+an unknown model, logit bias, penalties and log-probabilities through the ``openai`` client, 413
+for an oversized body before it is read (declared and chunked), ``/health`` answering within a
+second while a multi-megabyte request is handled, 429 + ``Retry-After`` from a full queue,
+``/health``, ``/metrics``, ``/v1/models``, a clean Ctrl-C, and the command's one-line errors before
+any load. The same app in process, fuzzed, is in ``tests/serve/``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+import beaconkv
 from beaconkv.cli import main
 
 openai = pytest.importorskip("openai")
@@ -308,9 +313,15 @@ BAD = [
      "max_completion_tokens"),
     ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "max_tokens": "many"}, "max_tokens"),
     ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "n": 0}, "n"),
-    ("/v1/chat/completions", {"model": "gpt-4", "messages": QUESTION}, "model"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": TOO_LONG}]}, "messages"),
-    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "temperature": 1e39}, "temperature"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "top_k": 2**63}, "top_k"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "logit_bias": {"5": -101}}, "logit_bias"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"model": NAME, "messages": QUESTION, "tools": [{"type": "function"}]}, "tools"),
     ("/v1/completions", {"model": NAME, "prompt": TOO_LONG}, "prompt"),
     ("/v1/completions", {"model": NAME, "prompt": ""}, "prompt"),
     ("/v1/completions", {"model": NAME, "prompt": [10**9]}, "prompt"),
@@ -345,9 +356,47 @@ def test_openai_client_raises_bad_request_error(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=NAME, messages=QUESTION, temperature=-1)
     assert err.value.body["param"] == "temperature" and "temperature=-1" in err.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as err:
+
+
+def test_an_unknown_model_gets_404_model_not_found(client, http):
+    """As OpenAI and vLLM answer: the openai client raises NotFoundError."""
+    with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4", prompt="hi")
     assert err.value.body["code"] == "model_not_found" and NAME in err.value.body["message"]
+    r = http.post("/v1/chat/completions", json={"model": "gpt-4", "messages": QUESTION})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert metrics(http)['beaconkv_requests_refused_total{reason="model_not_found"}'] >= 2
+
+
+def test_logit_bias_penalties_and_logprobs_reach_the_model(client):
+    """The openai client parses both endpoints' log-probabilities; a ban of the greedy first token changes it,
+    +100 forces a token, and penalties stop a repetition."""
+    ask = {"model": NAME, "messages": QUESTION, "max_tokens": 6, "temperature": 0}
+    plain = client.chat.completions.create(**ask, logprobs=True, top_logprobs=3)
+    entries = plain.choices[0].logprobs.content
+    assert len(entries) == plain.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in entries)
+    assert all(e.token == e.top_logprobs[0].token and e.logprob == e.top_logprobs[0].logprob for e in entries)
+    assert all(e.bytes == list(e.token.encode()) and e.logprob <= 0 for e in entries)
+
+    prompt = "The capital of France is"
+    text = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert "".join(lp.tokens) == text.choices[0].text and lp.text_offset[0] == 0 and len(lp.top_logprobs) == 4
+    assert all(lp.tokens[i] in lp.top_logprobs[i] and len(lp.top_logprobs[i]) == 2 for i in range(4))
+    first = beaconkv.load_tokenizer(beaconkv.embedded_model_path()).encode(lp.tokens[0])
+    assert len(first) == 1
+    banned = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={str(first[0]): -100}, logprobs=0)
+    assert banned.choices[0].logprobs.tokens[0] != lp.tokens[0]
+    forced = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0,
+                                       logit_bias={"45": 100})  # token 45 is "="
+    assert forced.choices[0].text == "==="
+
+    counting = {"model": NAME, "prompt": "1, 1, 1, 1, 1, 1, 1, 1,", "max_tokens": 12, "temperature": 0,
+                "extra_body": {"ignore_eos": True}}
+    repeated = client.completions.create(**counting).choices[0].text
+    penalised = client.completions.create(**counting, frequency_penalty=2.0, presence_penalty=2.0).choices[0].text
+    assert repeated.count("1") > penalised.count("1"), (repeated, penalised)
 
 
 # --------------------------------------------------------------------- a full queue, and Ctrl-C
@@ -443,6 +492,87 @@ def test_serve_rejects_limits_beyond_the_model_and_a_busy_port(capsys):
         assert time.monotonic() - t0 < 10  # refused before the model loads
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("beaconkv serve: error: cannot listen on 127.0.0.1:") and "--port" in err[0]
+
+
+# ------------------------------------------------------------------- what one request may cost
+def _raw_request(port: int, head: bytes, chunks=(), timeout: float = 10.0) -> tuple[bytes, float]:
+    """Sends a request by hand (headers, then body chunks as they are); returns the response and its latency."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        t0 = time.perf_counter()
+        sock.sendall(head)
+        try:
+            for chunk in chunks:
+                sock.sendall(chunk)
+        except OSError:  # the server answered and closed while the body was still coming: expected
+            pass
+        data = b""
+        while True:
+            headers, sep, body = data.partition(b"\r\n\r\n")
+            length = re.search(rb"content-length: *(\d+)", headers.lower())
+            if sep and length and len(body) >= int(length.group(1)):
+                break
+            part = sock.recv(65536)
+            if not part:
+                break
+            data += part
+        return data, time.perf_counter() - t0
+
+
+def test_an_oversized_body_gets_413_before_it_is_read(server, http):
+    """A Content-Length over --max-request-bytes (4 MiB by default) is answered at once, with none of the 50 MB
+    sent; a chunked body that passes the limit is cut off as it arrives."""
+    before = metrics(http)['beaconkv_requests_refused_total{reason="too_large"}']
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {50 * 2**20}\r\n\r\n").encode()
+    data, latency = _raw_request(server.port, head)
+    assert data.startswith(b"HTTP/1.1 413 ") and latency < 1.0, (data[:200], latency)
+    body = json.loads(data.split(b"\r\n\r\n", 1)[1])
+    assert body["error"]["code"] == "request_too_large" and "--max-request-bytes" in body["error"]["message"]
+
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    piece = b"x" * 2**20
+    chunks = [b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(6)] + [b"0\r\n\r\n"]
+    data, _ = _raw_request(server.port, head, chunks)
+    assert data.startswith(b"HTTP/1.1 413 "), data[:200]
+    assert metrics(http)['beaconkv_requests_refused_total{reason="too_large"}'] == before + 2
+    assert http.get("/health").status_code == 200
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_health_answers_within_a_second_while_a_large_request_is_handled(server, http):
+    """A 3.6 MB prompt (under the body limit, far over what 128 tokens can hold) is refused without being
+    tokenized, while /health keeps answering; the server's memory comes back near where it was."""
+    rss = _rss_mb(server.proc.pid)
+    huge = {"model": NAME, "prompt": "hello world " * 300_000, "max_tokens": 4}
+    latencies, done = [], threading.Event()
+
+    def probe():
+        with httpx.Client(base_url=server.url, timeout=5) as c:
+            while not done.is_set():
+                t0 = time.perf_counter()
+                assert c.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.02)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            t0 = time.perf_counter()
+            r = c.post("/v1/completions", json=huge)
+            handled = time.perf_counter() - t0
+    finally:
+        done.set()
+        prober.join(10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+    assert "characters" in r.json()["error"]["message"] and handled < 5.0
+    assert latencies and max(latencies) < 1.0, max(latencies)
+    assert _rss_mb(server.proc.pid) < rss + 200
 
 
 def test_non_finite_temperature_gets_400(http):

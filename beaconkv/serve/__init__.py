@@ -9,6 +9,7 @@ Modules, each with one job:
 
 * :mod:`~beaconkv.serve.cli` — the command's options and their validation (no fastapi needed);
 * :mod:`~beaconkv.serve.schema` — request bodies, their checks and their engine requests;
+* :mod:`~beaconkv.serve.limits` — what a request may cost before it is admitted (body size, prompt length);
 * :mod:`~beaconkv.serve.responses` — response objects, stream chunks, SSE framing;
 * :mod:`~beaconkv.serve.errors` — OpenAI-style error bodies;
 * :mod:`~beaconkv.serve.worker` — the engine thread and the bridge to asyncio;

@@ -3,29 +3,38 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON, or server-sent events with
 ``"stream": true``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text).
 
-A call is checked and encoded (:mod:`beaconkv.serve.schema`), submitted to the engine thread as one
-group of ``n`` choices, and answered from the group's events. Every error has OpenAI's body
-(:mod:`beaconkv.serve.errors`): 400 for a bad request — FastAPI's own validation errors included,
-which it would answer with 422 — 429 with ``Retry-After`` when the queue is full, 503 when the
-engine has stopped. A client that goes away has its choices cancelled, freeing their slots at the
-next step: every waiting route watches the connection for ``http.disconnect`` (a non-streamed call
-has nothing to send until it ends) and looks at least every ``poll_s`` seconds, and a stream also
-ends when its generator is cancelled or closed.
+A body over ``max_request_bytes`` is refused with 413 before it is parsed
+(:class:`~beaconkv.serve.limits.BodyLimit`). A call is then checked and encoded
+(:mod:`beaconkv.serve.schema`) on a small thread pool — tokenizing never holds the event loop, so
+``/health`` answers during any request, and a prompt too long to fit is refused before it is
+tokenized — submitted to the engine thread as one group of ``n`` choices, and answered from the
+group's events. Every error has OpenAI's body (:mod:`beaconkv.serve.errors`): 400 for a bad
+request — FastAPI's own validation errors included, which it would answer with 422 — 404 for an
+unknown model, 413 for a body over the limit, 429 with ``Retry-After`` when the queue is full, 500
+for a request the engine failed on (alone: the others and the server go on), 503 when the engine
+has stopped. A client that goes away has its choices cancelled, freeing their slots at the next
+step: every waiting route watches the connection for ``http.disconnect`` (a non-streamed call has
+nothing to send until it ends) and looks at least every ``poll_s`` seconds, and a stream also ends
+when its generator is cancelled or closed.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import json
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import Completion, Engine, EngineError, QueueFullError
+from ..engine import Completion, Engine, EngineError, QueueFullError, TokenLogprob
 from ..tokenizer import Tokenizer
 from . import responses
 from .errors import (
@@ -35,13 +44,17 @@ from .errors import (
     error_body,
     from_validation_errors,
     queue_full,
+    request_failed,
     shutting_down,
 )
+from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, max_token_chars
 from .metrics import CONTENT_TYPE, render, server_metrics
 from .schema import (
     ChatCompletionRequest,
     CompletionRequest,
     PreparedRequest,
+    SamplingFields,
+    parse_body,
     prepare_chat,
     prepare_completion,
 )
@@ -49,7 +62,7 @@ from .worker import EngineWorker, RequestGroup, WorkerStopped
 
 CLIENT_CLOSED = 499
 """Status logged for a call whose client went away before its answer (nobody reads it)."""
-_REFUSALS = {400: "invalid_request", 429: "queue_full", 503: "unavailable"}
+_REFUSALS = {400: "invalid_request", 404: "model_not_found", 413: "too_large", 429: "queue_full", 503: "unavailable"}
 
 
 @dataclass
@@ -61,21 +74,45 @@ class ServeState:
         tokenizer: The served model's tokenizer.
         served: The names the server answers to (the first is the default).
         poll_s: Seconds between checks that a waiting client is still connected.
+        max_prompt_chars: Longest prompt text tokenized at all (longer ones cannot fit in the prompt capacity).
+        pool: The threads that check and tokenize calls (off the event loop).
+        token_text: The text of single tokens (log-probabilities).
     """
 
     worker: EngineWorker
     tokenizer: Tokenizer
     served: list[str]
     poll_s: float = 0.5
+    max_prompt_chars: int | None = None
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "beaconkv-prepare"))
+    token_text: responses.TokenText | None = None
 
     @property
     def engine(self) -> Engine:
         """The engine the worker steps."""
         return self.worker.engine
 
+    async def prepare(self, prepare: Callable[..., PreparedRequest], model: type[SamplingFields],
+                      raw: bytes) -> PreparedRequest:
+        """Parses a raw body (:func:`~beaconkv.serve.schema.parse_body`) and prepares it (``prepare_chat`` or
+        ``prepare_completion``) on the pool, off the event loop."""
+        def run() -> PreparedRequest | APIError:
+            try:
+                body = parse_body(model, raw, self.engine)
+                return prepare(body, self.tokenizer, self.engine, self.served, max_prompt_chars=self.max_prompt_chars)
+            except APIError as err:  # returned, not raised: its frames (they hold the parsed body) die on this thread,
+                err.__traceback__ = None  # not on the event loop (freeing 10**5 objects there stalls every call)
+                return err
+
+        result = await asyncio.get_running_loop().run_in_executor(self.pool, run)
+        if isinstance(result, APIError):
+            raise result
+        return result
+
 
 def create_app(worker: EngineWorker, tokenizer: Tokenizer, served_names: Sequence[str], *,
-               poll_s: float = 0.5) -> FastAPI:
+               poll_s: float = 0.5, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               prepare_threads: int = 2) -> FastAPI:
     """The server's application. Its lifespan starts the worker's thread and stops it at shutdown.
 
     Args:
@@ -83,13 +120,21 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, served_names: Sequenc
         tokenizer: The served model's tokenizer.
         served_names: The model names requests may ask for (at least one).
         poll_s: Seconds between checks that a waiting client is still connected.
+        max_request_bytes: Largest request body, in bytes (larger ones get 413 before they are read).
+        prepare_threads: Threads that check and tokenize calls.
 
     Raises:
-        ValueError: ``served_names`` is empty.
+        ValueError: ``served_names`` is empty, or a limit below 1.
     """
     if not served_names:
         raise ValueError("served_names is empty; give the model at least one name.")
-    state = ServeState(worker, tokenizer, list(served_names), poll_s)
+    for name, value in (("max_request_bytes", max_request_bytes), ("prepare_threads", prepare_threads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1.")
+    state = ServeState(worker, tokenizer, list(served_names), poll_s,
+                       max_prompt_chars=worker.engine.prompt_capacity * max_token_chars(tokenizer),
+                       pool=ThreadPoolExecutor(prepare_threads, "beaconkv-prepare"),
+                       token_text=responses.TokenText(tokenizer))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -98,11 +143,18 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, served_names: Sequenc
             yield
         finally:
             await asyncio.to_thread(worker.stop)
+            state.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="beaconkv", summary="OpenAI-compatible API over beaconkv's continuous-batching engine",
                   lifespan=lifespan)
     app.state.serve = state
     _add_error_handlers(app, state)
+    counters = worker.counters
+
+    def too_large() -> None:
+        counters.refused["too_large"] = counters.refused.get("too_large", 0) + 1
+
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, on_refuse=too_large)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -123,18 +175,36 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, served_names: Sequenc
         return JSONResponse(responses.model_list(state.served, int(worker.counters.started),
                                                  engine.prompt_capacity + engine.max_new_tokens))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        """A chat completion: the conversation rendered with the chat template."""
-        return await _respond(state, prepare_chat(body, tokenizer, state.engine, state.served), request, chat=True)
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        """A chat completion: the conversation rendered with the chat template (body: ``ChatCompletionRequest``)."""
+        prepared = await state.prepare(prepare_chat, ChatCompletionRequest, await request.body())
+        return await _respond(state, prepared, request, chat=True)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        """A text completion of the prompt(s) as given."""
-        return await _respond(state, prepare_completion(body, tokenizer, state.engine, state.served), request,
-                              chat=False)
+    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        """A text completion of the prompt(s) as given (body: ``CompletionRequest``)."""
+        prepared = await state.prepare(prepare_completion, CompletionRequest, await request.body())
+        return await _respond(state, prepared, request, chat=False)
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema, with the two request bodies (parsed by the routes themselves) as components."""
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (ChatCompletionRequest, CompletionRequest):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _request_body(model: type[SamplingFields]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
 def _add_error_handlers(app: FastAPI, state: ServeState) -> None:
@@ -144,7 +214,7 @@ def _add_error_handlers(app: FastAPI, state: ServeState) -> None:
         reason = _REFUSALS.get(err.status)
         if reason is not None:
             counters.refused[reason] = counters.refused.get(reason, 0) + 1
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
+        return ErrorResponse(err.body(), status_code=err.status, headers=err.headers or None)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -162,13 +232,13 @@ def _add_error_handlers(app: FastAPI, state: ServeState) -> None:
         else:
             message = f"{request.method} {request.url.path}: {exc.detail}"
         kind = INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
-        return JSONResponse(error_body(message, kind, None, str(exc.status_code)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return ErrorResponse(error_body(message, kind, None, str(exc.status_code)), status_code=exc.status_code,
+                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def server_error(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal server error ({type(exc).__name__}: {exc}).", SERVER_ERROR, None,
-                                       "internal_error"), status_code=500)
+        return ErrorResponse(error_body(f"internal server error ({type(exc).__name__}: {exc}).", SERVER_ERROR, None,
+                                        "internal_error"), status_code=500)
 
 
 def _submit(state: ServeState, prepared: PreparedRequest) -> RequestGroup:
@@ -186,14 +256,26 @@ async def _respond(state: ServeState, prepared: PreparedRequest, request: Reques
     group = _submit(state, prepared)
     rid, created = responses.new_id("chatcmpl" if chat else "cmpl"), responses.now()
     if prepared.stream:
-        return StreamingResponse(_stream(group, prepared, request, rid, created, chat, state.poll_s),
+        return StreamingResponse(_stream(group, prepared, request, rid, created, chat, state),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     done = await _wait(group, request, state.poll_s)
     if done is None:
         return Response(status_code=CLIENT_CLOSED)
+    failed = [c for c in done if c.finish_reason == "error"]
+    if failed:
+        raise request_failed(failed[0].error or "the request failed")
     build = responses.chat_completion if chat else responses.text_completion
-    return JSONResponse(build(rid, created, prepared.model, done, prepared.prompt_tokens))
+    return JSONResponse(build(rid, created, prepared.model, done, prepared.prompt_tokens, state.token_text))
+
+
+class ErrorResponse(JSONResponse):
+    """An error's JSON, all ASCII: a message may quote what the client sent, lone surrogates included, and
+    ``ensure_ascii`` escapes them (UTF-8 cannot encode them)."""
+
+    def render(self, content: Any) -> bytes:
+        """The JSON bytes (``\\uXXXX`` escapes for every non-ASCII character)."""
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class _ClientWatch:
@@ -239,15 +321,33 @@ async def _wait(group: RequestGroup, request: Request, poll_s: float) -> list[Co
 
 
 async def _stream(group: RequestGroup, prepared: PreparedRequest, request: Request, rid: str, created: int,
-                  chat: bool, poll_s: float) -> AsyncIterator[str]:
-    """The server-sent events of a streamed call; closing or cancelling it cancels the unfinished choices."""
-    model, with_usage = prepared.model, prepared.include_usage
+                  chat: bool, state: ServeState) -> AsyncIterator[str]:
+    """The server-sent events of a streamed call; closing or cancelling it cancels the unfinished choices.
+
+    A choice's log-probabilities ride with its text: a token whose text is held back (part of a
+    character, or of a possible stop string) has its entry sent with the next chunk of that choice.
+    """
+    model, with_usage, poll_s, text_of = prepared.model, prepared.include_usage, state.poll_s, state.token_text
+    pending: dict[int, list[TokenLogprob]] = defaultdict(list)
+    offsets: dict[int, int] = defaultdict(int)
+
+    def logprobs(index: int) -> dict[str, Any] | None:
+        if prepared.logprobs is None or text_of is None:
+            return None
+        entries = pending.pop(index, [])
+        if chat:
+            return responses.chat_logprobs(entries, text_of)
+        out = responses.text_logprobs(entries, text_of, offsets[index])
+        offsets[index] += sum(len(t) for t in out["tokens"])
+        return out
 
     def chunk(index: int, text: str, finish: str | None = None) -> str:
         if chat:
             delta = {"content": text} if text else {}
-            return responses.sse(responses.chat_chunk(rid, created, model, index, delta, finish, with_usage))
-        return responses.sse(responses.text_chunk(rid, created, model, index, text, finish, with_usage))
+            return responses.sse(responses.chat_chunk(rid, created, model, index, delta, finish, with_usage,
+                                                      logprobs(index)))
+        return responses.sse(responses.text_chunk(rid, created, model, index, text, finish, with_usage,
+                                                  logprobs(index)))
 
     watch = _ClientWatch(request)
     try:
@@ -261,6 +361,12 @@ async def _stream(group: RequestGroup, prepared: PreparedRequest, request: Reque
                 return
             if event is None:
                 continue
+            if event.completion is not None and event.completion.finish_reason == "error":
+                yield responses.sse(request_failed(event.completion.error or "the request failed").body(), ascii=True)
+                yield responses.SSE_DONE
+                return
+            if event.logprob is not None:
+                pending[group.index(event.request_id)].append(event.logprob)
             if event.text or event.completion is not None:
                 finish = event.completion.finish_reason if event.completion is not None else None
                 yield chunk(group.index(event.request_id), event.text, finish)
@@ -270,7 +376,7 @@ async def _stream(group: RequestGroup, prepared: PreparedRequest, request: Reque
                                                       created, model, prepared.prompt_tokens, generated))
         yield responses.SSE_DONE
     except WorkerStopped as err:
-        yield responses.sse(shutting_down(str(err)).body())
+        yield responses.sse(shutting_down(str(err)).body(), ascii=True)
         yield responses.SSE_DONE
     finally:
         watch.close()

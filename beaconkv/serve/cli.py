@@ -37,6 +37,7 @@ from ..models.loading import (
 from ..policies.base import EvictionPolicy
 from ..policies.registry import make_policy, policy_names
 from ..tokenizer import load_tokenizer
+from .limits import DEFAULT_MAX_REQUEST_BYTES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 """``--log-level`` choices (uvicorn's)."""
@@ -97,6 +98,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     s.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0 = any free port)")
     s.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level (default info)")
+    s.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                   help="largest request body; a larger one gets HTTP 413 before it is read "
+                        f"(default {DEFAULT_MAX_REQUEST_BYTES}, 8 MiB)")
     return parser
 
 
@@ -217,6 +221,6 @@ def run_serve(args: argparse.Namespace) -> int:
                   f"(prompts up to {args.prompt_capacity} tokens, up to {args.max_new_tokens} new tokens; "
                   "Ctrl-C stops)")
         return server.serve(engine, tokenizer, names, sock, threads=args.threads, log_level=args.log_level,
-                            banner=banner)
+                            banner=banner, max_request_bytes=args.max_request_bytes)
     finally:
         sock.close()

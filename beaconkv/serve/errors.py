@@ -2,7 +2,8 @@
 
 OpenAI clients (the official ``openai`` package, lm-evaluation-harness) read a failed call's body as
 ``{"error": {"message", "type", "param", "code"}}`` and choose their exception class from the HTTP
-status (400 -> ``BadRequestError``, 429 -> ``RateLimitError``...). Every route raises
+status (400 -> ``BadRequestError``, 404 -> ``NotFoundError``, 413, 429 -> ``RateLimitError``,
+500 -> ``InternalServerError``...). Every route raises
 :class:`APIError` for a request it cannot serve; the app turns it, FastAPI's own validation errors
 and unknown routes into that body.
 """
@@ -10,6 +11,7 @@ and unknown routes into that body.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 INVALID_REQUEST = "invalid_request_error"
@@ -69,6 +71,42 @@ def queue_full(message: str, retry_after_s: float) -> APIError:
     seconds = max(1, math.ceil(retry_after_s))
     return APIError(f"the server is busy: {message} Retry after {seconds}s, or start it with a larger --max-queue.",
                     status=429, type=RATE_LIMIT, code="queue_full", headers={"Retry-After": str(seconds)})
+
+
+def model_not_found(name: str, served: Sequence[str]) -> APIError:
+    """The HTTP 404 error of a call naming a model this server does not serve (as OpenAI and vLLM answer).
+
+    Args:
+        name: The ``model`` the call named.
+        served: The names this server answers to.
+    """
+    shown = repr(name) if len(name) <= 80 else repr(name[:77] + "...")
+    return APIError(f"model={shown} is not served here; this server serves {', '.join(map(repr, served))} "
+                    "(see GET /v1/models).", status=404, param="model", code="model_not_found")
+
+
+def request_too_large(size: int | None, limit: int) -> APIError:
+    """The HTTP 413 error of a request body over the server's ``--max-request-bytes``.
+
+    Args:
+        size: The body's size in bytes (its ``Content-Length``), or None when it was streamed and
+            only passing the limit is known.
+        limit: The limit in bytes.
+    """
+    has = f"has {size} bytes" if size is not None else "passed"
+    return APIError(f"the request body {has}, more than this server's limit of {limit} bytes; send a smaller "
+                    "request, or restart the server with a larger --max-request-bytes.", status=413,
+                    code="request_too_large")
+
+
+def request_failed(reason: str) -> APIError:
+    """The HTTP 500 error of a request the engine took but failed on (the other requests went on).
+
+    Args:
+        reason: The engine's :attr:`~beaconkv.engine.Completion.error`.
+    """
+    return APIError(f"{reason}; the server goes on (please report this).", status=500, type=SERVER_ERROR,
+                    code="request_failed")
 
 
 def shutting_down(reason: str = "the server is shutting down") -> APIError:

@@ -22,10 +22,10 @@ from ..engine import Engine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The ``Content-Type`` of the Prometheus text format."""
-FINISH_REASONS = ("stop", "length", "cancelled")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
 """Finish reasons counted (every one is exported, zero or not)."""
-REFUSAL_REASONS = ("invalid_request", "queue_full", "unavailable")
-"""Why a call was refused: HTTP 400, 429, 503."""
+REFUSAL_REASONS = ("invalid_request", "model_not_found", "too_large", "queue_full", "unavailable")
+"""Why a call was refused: HTTP 400, 404 (an unknown model), 413, 429, 503."""
 
 
 class ThroughputMeter:
@@ -145,7 +145,7 @@ def server_metrics(engine: Engine, meter: ThroughputMeter, counters: ServerCount
             counters.submitted),
         Metric("beaconkv_requests_finished_total", "counter", "Requests finished, by finish reason.",
                [({"finish_reason": r}, v) for r, v in counters.finished.items()]),
-        Metric("beaconkv_requests_refused_total", "counter", "Calls refused, by reason (400, 429, 503).",
+        Metric("beaconkv_requests_refused_total", "counter", "Calls refused, by reason (400, 404, 413, 429, 503).",
                [({"reason": r}, v) for r, v in counters.refused.items()]),
         one("beaconkv_evictions_total", "counter", "KV-cache evictions of finished requests.", s.evictions),
         one("beaconkv_decode_steps_total", "counter", "Decode steps run.", s.steps),

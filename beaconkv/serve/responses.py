@@ -4,6 +4,13 @@ Plain dictionaries shaped as OpenAI's API writes them (``chat.completion``,
 ``chat.completion.chunk``, ``text_completion``, ``list`` of ``model``), so any OpenAI client parses
 them; a stream is a sequence of ``data: {json}\\n\\n`` server-sent events ending with
 ``data: [DONE]\\n\\n``.
+
+Log-probabilities come in OpenAI's two formats: a chat choice's ``logprobs`` is
+``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": null}``
+(:func:`chat_logprobs`), a text choice's is ``{"tokens", "token_logprobs", "top_logprobs",
+"text_offset"}`` (:func:`text_logprobs`; ``top_logprobs`` maps token text to log-probability, the
+chosen token included, as OpenAI's legacy API does). A token's text is its own decode
+(:class:`TokenText`), so a token that holds part of a multi-byte character reads ``"\\ufffd"``.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from ..engine import Completion
+from ..engine import Completion, TokenLogprob
+from ..tokenizer import Tokenizer
 
 SSE_DONE = "data: [DONE]\n\n"
 """The event that ends every stream."""
@@ -30,9 +38,74 @@ def now() -> int:
     return int(time.time())
 
 
-def sse(obj: dict[str, Any]) -> str:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(obj: dict[str, Any], ascii: bool = False) -> str:
+    """One server-sent event carrying ``obj`` as JSON (``ascii``: every non-ASCII character escaped, for errors
+    that may quote what the client sent)."""
+    return f"data: {json.dumps(obj, ensure_ascii=ascii, separators=(',', ':'))}\n\n"
+
+
+class TokenText:
+    """The text of single tokens (special tokens spelled out), decoded once each.
+
+    Args:
+        tokenizer: The served model's tokenizer.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        """The token's text."""
+        text = self._text.get(token_id)
+        if text is None:
+            text = self._text[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+FLOAT32_LOWEST = -3.4028234663852886e38
+"""The log-probability reported for a token of probability 0 (JSON has no ``-inf``)."""
+
+
+def _finite(x: float) -> float:
+    return x if x > FLOAT32_LOWEST else FLOAT32_LOWEST
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], text: TokenText) -> dict[str, Any]:
+    """A chat choice's ``logprobs`` object (or a stream chunk's), for these tokens.
+
+    Args:
+        entries: One per token, in order (each with the alternatives the call asked for).
+        text: Token texts.
+    """
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        s = text(token_id)
+        return {"token": s, "logprob": _finite(logprob), "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def text_logprobs(entries: Sequence[TokenLogprob], text: TokenText, offset: int = 0) -> dict[str, Any]:
+    """A text choice's ``logprobs`` object (or a stream chunk's), for these tokens.
+
+    Args:
+        entries: One per token, in order.
+        text: Token texts.
+        offset: ``text_offset`` of the first token: the characters of the tokens before it (in a stream).
+    """
+    tokens = [text(e.token_id) for e in entries]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    tops = []
+    for e in entries:
+        top = {text(t): _finite(lp) for t, lp in e.top}
+        top.setdefault(text(e.token_id), _finite(e.logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -47,7 +120,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def chat_completion(id: str, created: int, model: str, completions: Sequence[Completion],
-                    prompt_tokens: int) -> dict[str, Any]:
+                    prompt_tokens: int, text: TokenText | None = None) -> dict[str, Any]:
     """A ``chat.completion`` object: one assistant message per choice, and the usage.
 
     Args:
@@ -56,28 +129,36 @@ def chat_completion(id: str, created: int, model: str, completions: Sequence[Com
         model: The served model name.
         completions: One finished engine request per choice, in choice order.
         prompt_tokens: Prompt tokens of the call.
+        text: Token texts, for the choices that carry log-probabilities.
     """
+    def logprobs(c: Completion) -> dict[str, Any] | None:
+        return None if c.logprobs is None or text is None else chat_logprobs(c.logprobs, text)
+
     return {
         "id": id, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+        "choices": [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs(c),
                      "finish_reason": c.finish_reason} for i, c in enumerate(completions)],
         "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in completions)),
     }
 
 
 def text_completion(id: str, created: int, model: str, completions: Sequence[Completion],
-                    prompt_tokens: int) -> dict[str, Any]:
+                    prompt_tokens: int, text: TokenText | None = None) -> dict[str, Any]:
     """A ``text_completion`` object: one text per choice, and the usage (arguments as :func:`chat_completion`)."""
+    def logprobs(c: Completion) -> dict[str, Any] | None:
+        return None if c.logprobs is None or text is None else text_logprobs(c.logprobs, text)
+
     return {
         "id": id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+        "choices": [{"index": i, "text": c.text, "logprobs": logprobs(c), "finish_reason": c.finish_reason}
                     for i, c in enumerate(completions)],
         "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in completions)),
     }
 
 
 def chat_chunk(id: str, created: int, model: str, index: int, delta: dict[str, str],
-               finish_reason: str | None = None, with_usage: bool = False) -> dict[str, Any]:
+               finish_reason: str | None = None, with_usage: bool = False,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ``chat.completion.chunk`` of one choice.
 
     Args:
@@ -88,9 +169,10 @@ def chat_chunk(id: str, created: int, model: str, index: int, delta: dict[str, s
         delta: ``{"role": "assistant", "content": ""}`` first, then ``{"content": text}``, ``{}`` last.
         finish_reason: Set on the choice's last chunk.
         with_usage: Add ``"usage": null`` (a stream asked for usage puts it in every chunk, null but the last).
+        logprobs: The chunk's tokens' :func:`chat_logprobs` (None: not asked for).
     """
     out: dict[str, Any] = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": [{"index": index, "delta": delta, "logprobs": None,
+                           "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                         "finish_reason": finish_reason}]}
     if with_usage:
         out["usage"] = None
@@ -98,10 +180,11 @@ def chat_chunk(id: str, created: int, model: str, index: int, delta: dict[str, s
 
 
 def text_chunk(id: str, created: int, model: str, index: int, text: str, finish_reason: str | None = None,
-               with_usage: bool = False) -> dict[str, Any]:
-    """A streamed ``text_completion`` chunk of one choice (arguments as :func:`chat_chunk`, ``text`` the new text)."""
+               with_usage: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A streamed ``text_completion`` chunk of one choice (arguments as :func:`chat_chunk`, ``text`` the new
+    text, ``logprobs`` the chunk's :func:`text_logprobs`)."""
     out: dict[str, Any] = {"id": id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"index": index, "text": text, "logprobs": None,
+                           "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                         "finish_reason": finish_reason}]}
     if with_usage:
         out["usage"] = None

@@ -19,6 +19,7 @@ import uvicorn
 from ..engine import Engine
 from ..tokenizer import Tokenizer
 from .app import create_app
+from .limits import DEFAULT_MAX_REQUEST_BYTES
 from .worker import EngineWorker
 
 
@@ -48,7 +49,8 @@ class Server(uvicorn.Server):
 
 
 def serve(engine: Engine, tokenizer: Tokenizer, served_names: Sequence[str], sock: socket.socket, *,
-          threads: int | None = None, log_level: str = "info", banner: str = "") -> int:
+          threads: int | None = None, log_level: str = "info", banner: str = "",
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
     """Serves ``engine`` over HTTP on ``sock`` until a signal stops it.
 
     Args:
@@ -59,13 +61,14 @@ def serve(engine: Engine, tokenizer: Tokenizer, served_names: Sequence[str], soc
         threads: ``torch.set_num_threads`` of the engine thread.
         log_level: uvicorn's log level (``info`` logs every call).
         banner: Printed once the server accepts connections.
+        max_request_bytes: Largest request body (larger ones get HTTP 413 before they are read).
 
     Returns:
         0, or 1 when the engine thread failed. A signal's own exit (KeyboardInterrupt for Ctrl-C) is
         raised once the server has shut down, as uvicorn re-raises the signal it caught.
     """
     worker = EngineWorker(engine, threads=threads)
-    app = create_app(worker, tokenizer, served_names)
+    app = create_app(worker, tokenizer, served_names, max_request_bytes=max_request_bytes)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
     server = Server(config, worker, banner)
     try:

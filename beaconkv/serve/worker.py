@@ -10,9 +10,14 @@ touches asyncio objects directly, and the event loop never runs model code.
 
 Stopping: :meth:`EngineWorker.request_stop` only sets a flag (safe inside a signal handler); the
 thread notices it within a step or ``idle_wait_s``, ends, and closes every open group, so a route
-still waiting raises :class:`WorkerStopped` (HTTP 503) instead of hanging. A step that raises is a
-bug: the thread records it, logs the traceback, closes the groups the same way and stops; ``/health``
-then reports the failure.
+still waiting raises :class:`WorkerStopped` (HTTP 503) instead of hanging.
+
+No request stops the thread: the engine ends a request whose own work fails (and, when a decode step
+fails, the requests of that step) with ``finish_reason="error"`` and goes on (see
+:mod:`beaconkv.engine`). A step that raises anyway is a bug outside any one request: the thread logs
+it, ends the running requests with an error (:meth:`~beaconkv.engine.Engine.abort`) and goes on
+serving; only a failure of that recovery itself stops it, closing the groups as a shutdown does,
+and ``/health`` then reports the failure.
 """
 
 from __future__ import annotations
@@ -116,7 +121,8 @@ class EngineWorker:
         meter: The throughput meter fed after every step (a new one by default).
 
     Attributes:
-        error: The exception that stopped the thread, if a step failed.
+        error: The exception that stopped the thread, if a step and its recovery failed.
+        faults: Steps that raised and were recovered from (their running requests failed).
     """
 
     def __init__(self, engine: Engine, *, threads: int | None = None, idle_wait_s: float = 0.25,
@@ -125,6 +131,7 @@ class EngineWorker:
         self.counters = counters if counters is not None else ServerCounters()
         self.meter = meter if meter is not None else ThroughputMeter()
         self.error: BaseException | None = None
+        self.faults = 0
         self._reason = "the server is shutting down"
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -207,9 +214,14 @@ class EngineWorker:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
                     continue
-                self.engine.step()
+                try:
+                    self.engine.step()
+                except Exception as err:  # a bug outside any request: fail what runs, keep serving
+                    self.faults += 1
+                    logger.exception("beaconkv serve: an engine step failed; its running requests fail")
+                    self.engine.abort(f"an engine step failed ({type(err).__name__}: {err})")
                 self.meter.record(self.engine.stats.generated_tokens)
-        except Exception as err:  # a bug: report it to every waiting call and on /health
+        except Exception as err:  # the recovery failed too: report it to every waiting call and on /health
             self.error = err
             self._reason = f"the engine failed ({type(err).__name__}: {err})"
             logger.exception("beaconkv serve: the engine thread failed")
