@@ -182,7 +182,8 @@ def _run_every_feature(model, compile_config):
     torch.manual_seed(0)
     session = Session.for_prompts(model, None, [9, 9, 9], 6, compile=compile_config or False, kernels="model")
     prompts = torch.randint(3, 97, (3, 9), generator=torch.Generator().manual_seed(0)).tolist()
-    tokens = session.prefill(prompts).argmax(-1)
+    with torch.inference_mode():  # as the engine runs: every step's tokens are inference tensors
+        tokens = session.prefill(prompts).argmax(-1)
     rows = [SamplingParams(logit_bias={5: 3.0, 9: -100}, presence_penalty=0.5, logprobs=2),
             SamplingParams(temperature=0.8, top_p=0.9, top_k=20, frequency_penalty=1.5, logprobs=MAX_LOGPROBS),
             SamplingParams()]

@@ -371,7 +371,7 @@ def test_an_unknown_model_gets_404_model_not_found(client, http):
 def test_logit_bias_penalties_and_logprobs_reach_the_model(client):
     """The openai client parses both endpoints' log-probabilities; a ban of the greedy first token changes it,
     +100 forces a token, and penalties stop a repetition."""
-    ask = {"model": NAME, "messages": QUESTION, "max_tokens": 6, "temperature": 0}
+    ask = {"model": NAME, "messages": QUESTION, "max_tokens": 3, "temperature": 0}
     plain = client.chat.completions.create(**ask, logprobs=True, top_logprobs=3)
     entries = plain.choices[0].logprobs.content
     assert len(entries) == plain.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in entries)
@@ -379,20 +379,20 @@ def test_logit_bias_penalties_and_logprobs_reach_the_model(client):
     assert all(e.bytes == list(e.token.encode()) and e.logprob <= 0 for e in entries)
 
     prompt = "The capital of France is"
-    text = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=2)
+    text = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
     lp = text.choices[0].logprobs
-    assert "".join(lp.tokens) == text.choices[0].text and lp.text_offset[0] == 0 and len(lp.top_logprobs) == 4
-    assert all(lp.tokens[i] in lp.top_logprobs[i] and len(lp.top_logprobs[i]) == 2 for i in range(4))
+    assert "".join(lp.tokens) == text.choices[0].text and lp.text_offset[0] == 0 and len(lp.top_logprobs) == 3
+    assert all(lp.tokens[i] in lp.top_logprobs[i] and len(lp.top_logprobs[i]) == 2 for i in range(3))
     first = beaconkv.load_tokenizer(beaconkv.embedded_model_path()).encode(lp.tokens[0])
     assert len(first) == 1
-    banned = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0,
+    banned = client.completions.create(model=NAME, prompt=prompt, max_tokens=1, temperature=0,
                                        logit_bias={str(first[0]): -100}, logprobs=0)
     assert banned.choices[0].logprobs.tokens[0] != lp.tokens[0]
     forced = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0,
                                        logit_bias={"45": 100})  # token 45 is "="
     assert forced.choices[0].text == "==="
 
-    counting = {"model": NAME, "prompt": "1, 1, 1, 1, 1, 1, 1, 1,", "max_tokens": 12, "temperature": 0,
+    counting = {"model": NAME, "prompt": "1, 1, 1, 1, 1, 1, 1, 1,", "max_tokens": 8, "temperature": 0,
                 "extra_body": {"ignore_eos": True}}
     repeated = client.completions.create(**counting).choices[0].text
     penalised = client.completions.create(**counting, frequency_penalty=2.0, presence_penalty=2.0).choices[0].text
