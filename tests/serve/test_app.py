@@ -92,3 +92,28 @@ def test_the_openapi_schema_documents_both_request_bodies(live):
     assert "logit_bias" in components["ChatCompletionRequest"]["properties"]
     body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+
+
+def test_a_step_that_raises_anyway_fails_its_requests_and_the_engine_thread_goes_on(live):
+    """The worker's second line: an exception escaping ``Engine.step`` (a bug outside any request) ends the
+    running requests with an error, is counted and logged, and the thread serves the next call."""
+    worker = live.app.state.serve.worker
+    engine, faults = worker.engine, worker.faults
+    real = engine.step
+    calls = []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 3:  # the request is running by then
+            raise RuntimeError("a bug in the engine's bookkeeping")
+        return real()
+
+    engine.step = step
+    try:
+        r = live.post("/v1/completions", json={"model": NAME, "prompt": [5, 6], "max_tokens": 12, "ignore_eos": True})
+    finally:
+        del engine.step
+    assert r.status_code == 500 and "an engine step failed (RuntimeError: a bug" in r.json()["error"]["message"]
+    assert worker.faults == faults + 1 and worker.alive and live.get("/health").json()["status"] == "ok"
+    r = live.post("/v1/completions", json={"model": NAME, "prompt": [5, 6], "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
