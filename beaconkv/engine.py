@@ -143,6 +143,8 @@ class Completion:
         tag: The request's ``tag``.
         logprobs: One entry per new token when the request asked for ``sampling.logprobs`` (else None).
         error: Why the request failed (``finish_reason == "error"``), else None.
+        exception: The exception that made it fail, when there was one (:func:`beaconkv.generate` raises it
+            again: a library call fails loudly, where a server answers the one request with an error).
     """
 
     request_id: int
@@ -158,6 +160,7 @@ class Completion:
     tag: object = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    exception: BaseException | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -429,7 +432,7 @@ class Engine:
             logger.exception("beaconkv engine: a decode step failed; its %d running requests fail", self.running)
             for run in list(self._slots):
                 if run is not None:
-                    self._fail(run, f"the decode step failed ({type(err).__name__}: {err})", events)
+                    self._fail(run, f"the decode step failed ({type(err).__name__}: {err})", events, err, log=False)
             return events
         if self.on_step is not None:
             self.on_step(self.stats.steps, self.session)
@@ -513,7 +516,7 @@ class Engine:
             self.stats.finished += 1
             reason = f"its sampling could not be set up ({type(err).__name__}: {err})"
             comp = Completion(rid, [], "", "error", len(req.prompt), 0, now - submitted, 0.0, now - submitted, -1,
-                              req.tag, error=f"the request failed: {reason}")
+                              req.tag, error=f"the request failed: {reason}", exception=err)
             self._deliver_safely(req, Event(rid, None, "", comp), events)
             return None
         self._slots[slot] = run
@@ -597,14 +600,16 @@ class Engine:
         except Exception as err:
             self._fail(run, f"its token could not be handled ({type(err).__name__}: {err})", events, err)
 
-    def _fail(self, run: _Running, reason: str, events: list[Event], err: BaseException | None = None) -> None:
+    def _fail(self, run: _Running, reason: str, events: list[Event], err: BaseException | None = None, *,
+              log: bool = True) -> None:
         """Ends a running request with ``finish_reason="error"`` (if it has not ended already) and tells its owner."""
-        if err is not None:
+        if err is not None and log:
             logger.error("beaconkv engine: request %d failed: %s", run.id, reason, exc_info=err)
         if self._slots[run.slot] is not run:
             return
         comp = self._finish(run, "error", time.perf_counter())
         comp.error = f"the request failed: {reason}"
+        comp.exception = err
         self._deliver_safely(run.request, Event(run.id, None, "", comp), events)
 
     def _deliver_safely(self, request: Request, ev: Event, events: list[Event]) -> None:

@@ -64,6 +64,8 @@ class GenerationStats:
         policy_s: Host wall time in the policy between steps (evictions and BeaconKV's query-set
             maintenance included).
         compiled: Whether the decode step ran compiled.
+        compile_s: Wall seconds spent compiling graphs during the call (decode step and policy work; 0
+            eager, and 0 once every graph this setting needs was compiled by an earlier call).
         compiled_evictions: Evictions that ran as compiled graphs.
         max_batch: Slots of the pool (sequences decoded together).
         kernels: The matmul kernels that ran (``"model"``, ``"packed"`` or ``"bf16w"``, see ``generate(kernels=...)``).
@@ -84,11 +86,12 @@ class GenerationStats:
     compiled_evictions: int = 0
     max_batch: int = 1
     kernels: str = "model"
+    compile_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
-        """Generated tokens of the whole batch per second of decode time."""
-        decode = self.wall_time_s - self.prefill_s
+        """Generated tokens of the whole batch per second of decode time (compilation excluded)."""
+        decode = self.wall_time_s - self.prefill_s - self.compile_s
         return sum(self.new_tokens) / decode if decode > 0 else float("nan")
 
 
@@ -324,9 +327,15 @@ def generate(
             done = engine.run(requests)
     except EngineError as err:
         raise PromptError(str(err)) from None
+    failed = next((c for c in done if c.finish_reason == "error"), None)
+    if failed is not None:  # a library call fails loudly (the engine isolates a failing request for servers)
+        if failed.exception is not None:
+            raise failed.exception
+        raise RuntimeError(failed.error)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     st = engine.session.state
+    executors = {id(e): e for e in (engine.session.decoder, st.executor)}.values()  # one object when shared
     stats = GenerationStats(
         prompt_tokens=lengths, new_tokens=[len(c.token_ids) for c in done], cache_capacity=engine.slot_capacity,
         cache_bytes=engine.cache_bytes, evictions=[c.evictions for c in done], peak_cache_tokens=st.peak_tokens,
@@ -334,7 +343,7 @@ def generate(
         decode_steps=engine.stats.steps, eviction_s=st.stats.eviction_seconds, policy_s=engine.session.policy_s,
         compiled=engine.session.compiled,
         compiled_evictions=st.stats.eviction_calls if st.executor.compiled else 0, max_batch=engine.max_batch,
-        kernels=engine.session.kernels.kernels,
+        kernels=engine.session.kernels.kernels, compile_s=sum(e.compile_s for e in executors),
     )
     texts = [c.text for c in done] if tokenizer is not None else [""] * len(done)
     reasons = [c.finish_reason for c in done]

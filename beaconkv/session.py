@@ -29,7 +29,7 @@ from torch import Tensor
 from .cache import KVCache
 from .execution import CompileConfig, make_executor, resolve_compile_config
 from .models.cpu_linear import choose_kernels
-from .models.decoder import CausalLM
+from .models.decoder import CausalLM, decode_layer
 from .policies.base import EvictionPolicy, FullKV
 from .sampling import RowSampling, sample_rows
 from .storage import KVStorage
@@ -59,6 +59,21 @@ def decode_and_sample(
 def decode_logits(model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor) -> Tensor:
     """One decode step returning the float32 logits ``(batch, vocab)`` (teacher forcing, measurement)."""
     return model.decode_step(tokens, positions, cache)
+
+
+def sample_logits(model: CausalLM, x: Tensor, sampling: RowSampling, noise: Tensor | None) -> Tensor:
+    """The last piece of a layer-by-layer decode step: logits of the last hidden states, then the next tokens."""
+    return sample_rows(model.decode_logits(x), sampling, noise)
+
+
+def last_logits(model: CausalLM, x: Tensor) -> Tensor:
+    """The last piece of a layer-by-layer decode step that returns logits (teacher forcing)."""
+    return model.decode_logits(x)
+
+
+def decode_inputs(model: CausalLM, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+    """The first piece of a layer-by-layer decode step (see :meth:`~beaconkv.models.CausalLM.decode_inputs`)."""
+    return model.decode_inputs(tokens, positions)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], device: torch.device, pad: int = 0) -> tuple[Tensor, Tensor]:
@@ -226,16 +241,36 @@ class Session:
         Returns:
             ``(batch,)`` next tokens (a fresh tensor).
         """
-        nxt = self.decoder.run(decode_and_sample, self.model, self.cache, tokens, self.positions, sampling, noise)
+        if self._by_layer:
+            nxt = self.decoder.run(sample_logits, self.model, self._run_layers(tokens), sampling, noise)
+        else:
+            nxt = self.decoder.run(decode_and_sample, self.model, self.cache, tokens, self.positions, sampling, noise)
         self.after_step()
         return nxt
 
     @torch.inference_mode()
     def step_logits(self, tokens: Tensor) -> Tensor:
         """Decodes ``tokens`` and returns their float32 logits ``(batch, vocab)``; then the policy acts."""
-        logits = self.decoder.run(decode_logits, self.model, self.cache, tokens, self.positions)
+        if self._by_layer:
+            logits = self.decoder.run(last_logits, self.model, self._run_layers(tokens))
+        else:
+            logits = self.decoder.run(decode_logits, self.model, self.cache, tokens, self.positions)
         self.after_step()
         return logits
+
+    @property
+    def _by_layer(self) -> bool:
+        """Whether the compiled decode step runs as one graph per piece (inputs, each layer, logits): one
+        layer's graph compiled once serves every layer (:attr:`~beaconkv.execution.CompileConfig.layerwise`)."""
+        return self.decoder.compiled and self.decoder.layerwise
+
+    def _run_layers(self, tokens: Tensor) -> Tensor:
+        """The inputs and every layer of a layer-by-layer decode step; returns the last hidden states."""
+        run = self.decoder.run
+        x, positions, rotary = run(decode_inputs, self.model, tokens, self.positions)
+        for i, layer in enumerate(self.model.model.layers):
+            x = run(decode_layer, layer, x, positions, rotary, self.cache[i])
+        return x
 
     def after_step(self) -> None:
         """The policy's between-step work and the positions' advance, after a decode step wrote a token

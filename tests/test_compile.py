@@ -428,3 +428,70 @@ def test_parity_with_transformers_eager_and_compiled(tiny_models, kind, device):
             assert out.token_ids[0] == ref
     finally:
         hf.to("cpu")  # the fixture's model is shared with CPU tests
+
+
+def test_one_decode_layer_graph_serves_every_layer_and_compile_time_is_counted_apart(tiny_models):
+    """The layer-by-layer decode step compiles one decoder layer's graph and calls it for every layer;
+    the seconds it took are in ``stats.compile_s`` (not in ``tokens_per_s``), and a second call compiles nothing."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from beaconkv.models.decoder import decode_layer
+    from beaconkv.models.layers import SwiGLUMLP
+
+    class FreshMLP(SwiGLUMLP):  # a new module type: no decode_layer graph compiled for it yet
+        pass
+
+    model = beaconkv.load_model(tiny_models["llama"][0], mlp=lambda c: FreshMLP(c.hidden_size, c.intermediate_size))
+    before = len(_debug_get_cache_entry_list(decode_layer.__code__))
+    first = beaconkv.generate(model, None, _prompts(), max_new_tokens=12, eos_token_ids=[], compile=TRACE)
+    assert model.config.num_hidden_layers == 2
+    assert len(_debug_get_cache_entry_list(decode_layer.__code__)) == before + 1
+    assert first.stats.compile_s > 0 and first.stats.compile_s < first.stats.wall_time_s
+    decode_s = first.stats.wall_time_s - first.stats.prefill_s - first.stats.compile_s
+    assert first.stats.tokens_per_s == pytest.approx(sum(first.stats.new_tokens) / decode_s)
+    again = beaconkv.generate(model, None, _prompts(), max_new_tokens=12, eos_token_ids=[], compile=TRACE)
+    assert again.stats.compile_s == 0 and again.token_ids == first.token_ids
+    assert len(_debug_get_cache_entry_list(decode_layer.__code__)) == before + 1
+    eager = beaconkv.generate(model, None, _prompts(), max_new_tokens=12, eos_token_ids=[])
+    assert eager.stats.compile_s == 0 and eager.token_ids == first.token_ids
+
+
+def test_a_recompile_is_announced_with_its_reason_and_counted():
+    from beaconkv.execution.compiled import CompiledExecutor, RecompileWarning
+
+    def scale_rows(x):
+        return x * 2
+
+    executor = CompiledExecutor(CompileConfig(backend="eager", dynamic=False), "cpu")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecompileWarning)  # the first graph is no recompile
+        executor.run(scale_rows, torch.ones(3))
+        executor.run(scale_rows, torch.ones(3))
+    assert executor.compiles == 1 and executor.compile_s > 0
+    with pytest.warns(RecompileWarning, match=r"(?s)another graph of .*scale_rows \(.*size"):
+        executor.run(scale_rows, torch.ones(5))  # a new size, with dynamic=False: a second graph
+    assert executor.compiles == 2
+
+
+def test_only_functions_marked_never_aliasing_drop_the_aliasing_guard_and_only_that_guard():
+    from types import SimpleNamespace
+
+    from beaconkv.execution.compiled import _without_aliasing_guards, inputs_never_alias
+    from beaconkv.models.decoder import decode_layer
+
+    cpu = torch.device("cpu")
+    marked = CompileConfig(backend="aot_eager").options(cpu, decode_layer)
+    assert marked["options"]["guard_filter_fn"] is _without_aliasing_guards
+
+    def plain(x):
+        return x
+
+    assert "guard_filter_fn" not in CompileConfig().options(cpu, plain).get("options", {})
+    assert "guard_filter_fn" not in CompileConfig().options(cpu).get("options", {})
+    assert CompileConfig().options(cpu, decode_layer)["options"]["guard_filter_fn"] is _without_aliasing_guards
+    kinds = ["TENSOR_MATCH", "NO_TENSOR_ALIASING", "TYPE_MATCH", "ID_MATCH"]
+    assert _without_aliasing_guards([SimpleNamespace(guard_type=k) for k in kinds]) == [True, False, True, True]
+
+    assert inputs_never_alias(plain) is plain and CompileConfig(backend="eager").options(cpu, plain)["options"]

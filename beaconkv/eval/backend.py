@@ -155,6 +155,9 @@ def run_requests(engine: EvalEngine, requests: Iterable[Request]) -> Iterator[Co
 
     Raises:
         RuntimeError: The engine went idle before every request finished (a broken engine).
+        Exception: A request failed (``finish_reason == "error"``): its exception, raised again — a failed
+            sample must not be graded as a wrong answer; the records written so far stay, and a resumed
+            run generates the failed sample again.
     """
     ids = {engine.submit(request) for request in requests}
     while ids:
@@ -163,6 +166,8 @@ def run_requests(engine: EvalEngine, requests: Iterable[Request]) -> Iterator[Co
         for event in engine.step():
             if event.completion is not None and event.request_id in ids:
                 ids.discard(event.request_id)
+                if event.completion.finish_reason == "error":
+                    raise event.completion.exception or RuntimeError(event.completion.error)
                 yield event.completion
 
 

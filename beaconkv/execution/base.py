@@ -19,6 +19,8 @@ class Executor:
         layerwise: Whether per-layer work should be called once per layer (one small graph reused by
             every layer) rather than as one whole-model call.
         calls: How many times each function (by qualified name) ran.
+        compile_s: Wall seconds of the calls that compiled a graph (0 when nothing compiles).
+        compiles: Graphs compiled by this executor's calls (recompiles included).
     """
 
     compiled: bool = False
@@ -26,6 +28,8 @@ class Executor:
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
+        self.compile_s = 0.0
+        self.compiles = 0
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs ``fn(*args)``; returns what it returns (fresh tensors the caller may keep)."""

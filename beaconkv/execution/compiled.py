@@ -10,6 +10,9 @@ On CPU they go through inductor; batch-1 matmuls become inductor's own vectorise
 
 Nothing falls back silently: a function that cannot be one graph (a host read of a tensor value, an
 unsupported op), or that recompiles past :data:`RECOMPILE_LIMIT` times, raises :class:`CompileError`.
+Compiling is timed apart from running (:attr:`Executor.compile_s`), and a *re*compile — a new cache
+size, batch or policy setting that the graphs compiled so far cannot serve — is announced with a
+:class:`RecompileWarning` naming the function and dynamo's reason.
 
 Trap: a device function must never read host state that changes (a Python list of counts, an
 int attribute updated every step) — dynamo would bake it in as a constant and recompile at every
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +48,13 @@ class CompileError(RuntimeError):
     """``torch.compile`` is unavailable here or failed to compile a step; nothing fell back to eager."""
 
 
+class RecompileWarning(UserWarning):
+    """A compiled function had to compile another graph: what it was called with differs from every graph
+    compiled so far (a new cache size, batch, dtype or policy setting). The new graph is kept, so the same
+    setting runs without compiling again in this process (and, through inductor's on-disk cache, compiles
+    faster in the next one)."""
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     """How :func:`beaconkv.generate` compiles its device work (``compile=True`` uses the defaults).
@@ -58,10 +70,13 @@ class CompileConfig:
             capacity, batch, the rows of an eviction) become symbolic after one recompile.
         policy: Compile the policies' device functions too (evictions, BeaconKV's query sampling);
             False compiles the decode step only.
-        layerwise: Compile per-layer work (an eviction's score + select + compact) for *one* layer and
-            call it per layer (compiles in seconds, since every layer has the same shapes) instead of
-            one graph over all layers; None = per layer, except with CUDA graphs (one replay per
-            eviction needs one graph).
+        layerwise: Compile per-layer work for *one* layer and call that graph for every layer — the decode
+            step (its inputs, each decoder layer, its logits and sampling: one graph each) and an
+            eviction's score + select + compact — instead of one graph over all layers. Every layer has
+            the same code and shapes, so one layer's compile serves the whole model: a cold compile of
+            the embedded 30-layer model's decode step takes seconds instead of minutes (``beaconkv bench
+            --sections compile``), at the cost of a few dozen graph calls per step. None = per layer,
+            except with CUDA graphs (one replay per step and per eviction needs one graph).
         cpu_gemv: On CPU, let inductor turn batch-1 matmuls into its own vectorised reductions
             (its ``decompose_mm_pass``) instead of calling the BLAS: decoding one token is a
             matrix-vector product, memory-bound, and the BLAS's bf16 path is compute-bound on CPUs
@@ -77,13 +92,18 @@ class CompileConfig:
     layerwise: bool | None = None
     cpu_gemv: bool = True
 
-    def options(self, device: torch.device) -> dict[str, Any]:
-        """Keyword arguments of ``torch.compile`` for a device (``fullgraph=True`` always)."""
+    def options(self, device: torch.device, fn: Callable[..., Any] | None = None) -> dict[str, Any]:
+        """Keyword arguments of ``torch.compile`` for a device (``fullgraph=True`` always), and for ``fn``
+        when it is marked :func:`inputs_never_alias`."""
         kwargs: dict[str, Any] = {"fullgraph": True, "backend": self.backend, "dynamic": self.dynamic}
+        options: dict[str, Any] = {}
+        if getattr(fn, _NO_ALIAS_MARK, False):
+            options["guard_filter_fn"] = _without_aliasing_guards
         if self.backend != "inductor":
+            if options:
+                kwargs["options"] = options
             return kwargs
         mode = self.mode if self.mode is not None else ("reduce-overhead" if device.type == "cuda" else None)
-        options: dict[str, Any] = {}
         if self.freezing:
             options["freezing"] = True
         if self.cpu_gemv and device.type == "cpu":
@@ -168,13 +188,42 @@ def compiled(fn: Callable[..., Any], config: CompileConfig, device: torch.device
     """The ``torch.compile`` wrapper of one function, shared by every executor with the same settings."""
     key = (fn, config, device.type)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn, **config.options(device))
+        _COMPILED[key] = torch.compile(fn, **config.options(device, fn))
     return _COMPILED[key]
 
 
+_NO_ALIAS_MARK = "__beaconkv_inputs_never_alias__"
+
+
+def inputs_never_alias(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a device function whose tensor arguments never alias one another (each a separate allocation).
+
+    Compiled, such a function runs without dynamo's input-aliasing guard, which compares every pair of its
+    tensor inputs at every call: for a graph that takes one decoder layer's weights and cache (two dozen
+    tensors) and runs 30 times per step, that guard costs more than the layer's own kernels at batch 1 on a
+    CPU. Every other guard (shapes, dtypes, settings, the identity of hooks) still holds.
+
+    Returns:
+        ``fn`` itself.
+    """
+    setattr(fn, _NO_ALIAS_MARK, True)
+    return fn
+
+
+def _without_aliasing_guards(entries: list[Any]) -> list[bool]:
+    """A ``guard_filter_fn`` keeping every guard but the input-aliasing one."""
+    return [entry.guard_type != "NO_TENSOR_ALIASING" for entry in entries]
+
+
+def _describe(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
+    """``fn``'s name, and the class of the object it runs for (a policy) when that is its first argument."""
+    owner = f" of {type(args[0]).__name__}" if args and not isinstance(args[0], (Tensor, nn.Module)) else ""
+    return f"{fn.__qualname__}{owner}"
+
+
 @contextlib.contextmanager
-def compile_guard(what: str) -> Iterator[None]:
-    """Turns a dynamo/inductor failure into :class:`CompileError` naming the function.
+def compile_guard(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> Iterator[None]:
+    """Turns a dynamo/inductor failure into :class:`CompileError` naming the function (and the policy).
 
     Dynamo's recompile limit is raised to :data:`RECOMPILE_LIMIT`, and hitting it raises too, instead
     of silently running the function eagerly.
@@ -186,9 +235,36 @@ def compile_guard(what: str) -> Iterator[None]:
             yield
     except (dynamo.exc.TorchDynamoException, dynamo.exc.FailOnRecompileLimitHit) as err:
         raise CompileError(
-            f"torch.compile(fullgraph=True) failed on {what}: {type(err).__name__}: {str(err).strip()[:2000]}\n"
-            "Nothing fell back to eager; pass compile=False to decode eagerly."
+            f"torch.compile(fullgraph=True) failed on {_describe(fn, args)}: {type(err).__name__}: "
+            f"{str(err).strip()[:2000]}\nNothing fell back to eager; pass compile=False to decode eagerly."
         ) from err
+
+
+_COMPILES = [0]  # compiles dynamo started in this process, counted by the callback below
+
+
+def _frames_compiled() -> int:
+    """Compiles dynamo has started in this process so far (every graph, recompiles included)."""
+    if not _COMPILES[1:]:  # once: dynamo calls this at the start of every compile, fullgraph ones too
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(lambda *_: _COMPILES.__setitem__(0, _COMPILES[0] + 1))
+        _COMPILES.append(True)
+    return _COMPILES[0]
+
+
+def _guard_failures(fn: Callable[..., Any]) -> list[str]:
+    """Why dynamo could not reuse the graphs of ``fn`` it had, one entry per recompile (dynamo's record)."""
+    from torch._dynamo.utils import guard_failures
+
+    return guard_failures.get(getattr(fn, "__code__", None), [])
+
+
+def _announce_recompile(fn: Callable[..., Any]) -> None:
+    """A :class:`RecompileWarning`: ``fn`` compiled a graph beside others, with dynamo's reason."""
+    reason = _guard_failures(fn)[-1].strip().splitlines()[0][:300]
+    warnings.warn(f"torch.compile compiled another graph of {fn.__qualname__} ({reason}); it is kept for the next "
+                  "call with the same setting.", RecompileWarning, stacklevel=3)
 
 
 def _tensors(obj: Any) -> Iterator[Tensor]:
@@ -235,9 +311,15 @@ class CompiledExecutor(Executor):
         self.calls[fn.__qualname__] += 1
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        owner = f" of {type(args[0]).__name__}" if args and not isinstance(args[0], (Tensor, nn.Module)) else ""
-        with compile_guard(f"{fn.__qualname__}{owner}"):
+        frames, failures = _frames_compiled(), len(_guard_failures(fn))
+        t0 = time.perf_counter()
+        with compile_guard(fn, args):
             out = compiled(fn, self.config, self.device)(*args)
+        if _frames_compiled() != frames:  # this call compiled (dynamo counts every frame it compiles)
+            self.compile_s += time.perf_counter() - t0
+            self.compiles += 1
+            if len(_guard_failures(fn)) > failures:  # not its first graph: say why another was needed
+                _announce_recompile(fn)
         if self.cuda_graphs:  # a CUDA-graph output is overwritten by the next replay
             out = tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, out)
         return out

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache
+from ..execution.compiled import inputs_never_alias
 from .attention import Attention, Rotary
 from .config import ModelConfig
 from .layers import RMSNorm, SwiGLUMLP
@@ -69,6 +70,10 @@ class DecoderModel(nn.Module):
         self.norm = norm
         self.rope = rope
 
+    def embed(self, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, Rotary]:
+        """The first hidden states ``(batch, seq, hidden)`` and the rotary tables every layer uses."""
+        return self.embed_tokens(input_ids), self.rope.cos_sin(positions)  # tables: (batch, seq, head_dim) each
+
     def forward(
         self,
         input_ids: Tensor,
@@ -78,8 +83,7 @@ class DecoderModel(nn.Module):
         decode: bool = False,
     ) -> Tensor:
         """Returns the final hidden states ``(batch, seq, hidden)``."""
-        x = self.embed_tokens(input_ids)
-        rotary = self.rope.cos_sin(positions)  # once for all layers: (batch, seq, head_dim) each
+        x, rotary = self.embed(input_ids, positions)  # the tables once for all layers
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, rotary, valid, None if cache is None else cache[i], decode)
         return self.norm(x)
@@ -154,6 +158,9 @@ class CausalLM(nn.Module):
     def decode_step(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
         """One decode step for the whole batch: static shapes, in-place cache writes.
 
+        It is :meth:`decode_inputs`, :func:`decode_layer` for every layer, then :meth:`decode_logits`:
+        the three pieces a layer-by-layer compiled step runs as separate graphs.
+
         Args:
             tokens: ``(batch,)`` the newest token of each sequence.
             positions: ``(batch,)`` its absolute position.
@@ -162,8 +169,29 @@ class CausalLM(nn.Module):
         Returns:
             ``(batch, vocab)`` float32 logits.
         """
-        hidden = self.model(tokens[:, None], positions[:, None], None, cache, decode=True)
-        return self.lm_head(hidden[:, 0]).float()
+        x, positions_2d, rotary = self.decode_inputs(tokens, positions)
+        for i, layer in enumerate(self.model.layers):
+            x = decode_layer(layer, x, positions_2d, rotary, cache[i])
+        return self.decode_logits(x)
+
+    def decode_inputs(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Rotary]:
+        """A decode step's first hidden states ``(batch, 1, hidden)``, positions ``(batch, 1)`` and rotary tables."""
+        positions = positions[:, None]
+        x, rotary = self.model.embed(tokens[:, None], positions)
+        return x, positions, rotary
+
+    def decode_logits(self, x: Tensor) -> Tensor:
+        """The ``(batch, vocab)`` float32 logits of a decode step's last hidden states ``(batch, 1, hidden)``."""
+        return self.lm_head(self.model.norm(x)[:, 0]).float()
+
+
+@inputs_never_alias
+def decode_layer(layer: nn.Module, x: Tensor, positions: Tensor, rotary: Rotary, cache) -> Tensor:
+    """One decoder layer of a decode step (see :meth:`CausalLM.decode_step`): appends to and attends over
+    ``cache``, the layer's own cache. Every layer runs the same code with the same shapes, so a compiled
+    step compiles this once and calls it for every layer. Its tensors (one layer's weights, one layer's
+    cache buffers, the step's activations) are separate allocations: they never alias."""
+    return layer(x, positions, rotary, None, cache, True)
 
 
 #: ``rope=`` of :func:`build_model`: a rotary module, or a function of the config that makes one.
