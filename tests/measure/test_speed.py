@@ -3,6 +3,7 @@ memory and targets. Nothing here asserts on a timing."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -236,3 +237,45 @@ def test_engine_section_settings_fail_before_anything_loads(tmp_path, capsys, mo
     rc = main(["bench", "--sections", "engine", "--engine-min-new", "600", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--engine-min-new=600 exceeds --engine-max-new=512" in err[0]
+
+
+def test_compile_section_child_measures_a_real_compiled_call(tiny_models, capsys):
+    """One measured process of ``--sections compile``, in process: compile seconds apart from ms/step."""
+    from beaconkv.measure.speed import compile_time
+
+    spec = {"model": str(tiny_models["llama"][0]), "device": "cpu", "dtype": "fp32", "threads": 1,
+            "prompt": list(range(3, 19)), "budget": 32, "tokens": 24, "backend": "aot_eager", "policy": "beacon", "shape": "layerwise",
+            "run": "cold", "second": "snapkv"}
+    assert compile_time._child([json.dumps(spec)]) == 0
+    row = compile_time.CompileRow(**json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert row.run == "cold" and row.shape == "layerwise" and row.policy == "beacon" and row.second_policy == "snapkv"
+    assert 0 < row.compile_s < row.first_call_s and row.ms_per_step > 0 and row.second_compile_s > 0
+
+
+def test_compile_section_runs_cold_rerun_then_alternating_speed_runs(monkeypatch):
+    from beaconkv.measure.speed import compile_time
+
+    seen: list[tuple[str, str, str | None, str]] = []
+
+    def fake_measure(spec, cache_dir):
+        seen.append((spec["run"], spec["shape"], spec.get("second"), cache_dir))
+        compile_s = {"cold": 30.0, "rerun": 5.0, "speed": 4.0}[spec["run"]]
+        ms = 50.0 + len(seen) + (10 if spec["shape"] == "whole" else 0)
+        return compile_time.CompileRow(spec["run"], spec["shape"], spec["policy"], compile_s, compile_s + 3, ms,
+                                       spec.get("second"), 12.0 if spec.get("second") else None)
+
+    monkeypatch.setattr(compile_time, "_measure", fake_measure)
+    args = argparse.Namespace(compile_policies="beacon,snapkv", compile_shapes="layerwise,whole", compile_budget=64,
+                              compile_tokens=96, compile_repeats=2, threads=2, compile_backend="inductor")
+    result = compile_time.run_compile_section(args, None, "cpu", "bf16", "p", lambda _: None)
+    runs = [(r, s) for r, s, _, _ in seen]
+    assert runs == [("cold", "layerwise"), ("rerun", "layerwise"), ("cold", "whole"), ("rerun", "whole"),
+                    ("speed", "layerwise"), ("speed", "whole"), ("speed", "layerwise"), ("speed", "whole")]
+    caches = {s: {c for _, s2, _, c in seen if s2 == s} for s in ("layerwise", "whole")}
+    assert all(len(c) == 1 for c in caches.values()) and caches["layerwise"] != caches["whole"]
+    assert [x[2] for x in seen if x[0] == "cold"] == ["snapkv", "snapkv"]
+    lw = result["summary"]["layerwise"]
+    assert lw["first_compile_s"] == 30.0 and lw["rerun_compile_s"] == 5.0 and lw["second_policy_compile_s"] == 12.0
+    assert lw["speed_runs"] == 4 and lw["ms_per_step_min"] == 51.0
+    table = compile_time.markdown_compile(result)
+    assert "| layerwise | 30.0 | 33.0 | 12.0 | 5.0 |" in table and "| whole |" in table

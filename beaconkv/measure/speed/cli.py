@@ -24,6 +24,7 @@ from ...execution import CompileConfig
 from ...models.config import ModelConfig
 from ...models.loading import load_model, resolve_checkpoint
 from ...policies.registry import make_policy
+from .compile_time import COMPILE_PROMPT, add_compile_arguments, markdown_compile, run_compile_section
 from .curve import measure_cost_curve, plot_cost_curve
 from .engine_bench import EngineRow, add_engine_arguments, check_engine_arguments, markdown_engine, run_engine_section
 from .machine import DTYPES, BenchError, cpu_name, streaming_bandwidth
@@ -33,7 +34,7 @@ from .table4 import add_table4_arguments, run_table4_section
 from .targets import evaluate_targets
 from .throughput import measure_throughput
 
-SECTIONS = ("throughput", "curve", "policies", "table4", "engine")
+SECTIONS = ("throughput", "curve", "policies", "table4", "engine", "compile")
 
 #: What ``--quick`` costs, measured with ``time beaconkv bench --quick`` on this project's 2-core CPU
 #: (2 threads, the embedded model already converted): with inductor's on-disk cache filled by an
@@ -56,7 +57,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--sections", type=str_list, default=["throughput", "curve", "policies"],
-                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but table4 and engine)")
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but table4, engine and compile)")
     g.add_argument("--repeats", type=int, default=2, help="timed runs per figure; the best counts (default 2)")
     g.add_argument("--quick", action="store_true",
                    help=f"a smoke run of every default section at tiny sizes, {QUICK_COST}: fp32, batch 1, 8 "
@@ -94,6 +95,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add_table4_arguments(parser.add_argument_group("table 4 (--sections ...,table4)"), prefix="table4-")
     add_engine_arguments(parser.add_argument_group(
         "engine: continuous batching vs static batches, BeaconKV vs FullKV at equal KV memory (--sections ...,engine)"))
+    add_compile_arguments(parser.add_argument_group(
+        "compile: cold compile, a second policy, a rerun in a new process, and compiled ms/step layer by layer "
+        "vs whole-step (--sections ...,compile)"))
     parser.add_argument("--out", type=Path, default=Path("results/bench"), help="output directory (default results/bench)")
     return parser
 
@@ -200,6 +204,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if "engine" in args.sections:
         log("engine (continuous batching):")
         results["engine"] = run_engine_section(args, path, device, compile_config, log)
+    if "compile" in args.sections:
+        log("compile time (fresh processes):")
+        results["compile"] = run_compile_section(args, args.model, device.type, args.policy_dtype, COMPILE_PROMPT, log)
     results["targets"] = [asdict(t) for t in evaluate_targets(results)]
     results["wall_time_s"] = time.perf_counter() - t0
     (args.out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
@@ -207,6 +214,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if "engine" in results:
         from_rows = [EngineRow(**r) for r in results["engine"]["rows"]]
         report += "\n\n" + markdown_engine(from_rows, results["engine"]["workload"])
+    if "compile" in results:
+        report += "\n\n" + markdown_compile(results["compile"])
     (args.out / "bench.md").write_text(report + "\n")
     print(report)
     log(f"wrote {args.out}/bench.json, bench.md" + (", cost_curve.png" if "curve" in results else "")
