@@ -17,6 +17,7 @@ from typing import Any
 from beaconkv.eval.sandbox import SandboxLimits
 from beaconkv.models.loading import resolve_dtype
 from beaconkv.policies import EvictionPolicy, make_policy
+from beaconkv.policies.registry import is_policy_spec
 from beaconkv.storage import storage_names
 
 __all__ = ["DTYPE_CHOICES", "SANDBOX_CHOICES", "EvalConfig"]
@@ -55,7 +56,8 @@ class EvalConfig:
         field_map: Column overrides, role -> column(s).
         limit: Evaluate only the first ``limit`` problems (``>= 1``).
         policy: KV policy name (``full``, ``beacon``, ``snapkv``, ``rpc``, ``rkv``, ``h2o``,
-            ``streaming``, ``initial_recent``).
+            ``streaming``, ``initial_recent``), or a class of one's own as ``module:Class`` or
+            ``path/to/file.py:Class`` (file names and tables call it by its class name).
         budget: KV budget (ignored and recorded as ``None`` for ``full``).
         policy_kwargs: Extra keyword arguments for :func:`beaconkv.policies.make_policy`.
         tag: Label distinguishing variants of one policy in file names and tables.
@@ -125,7 +127,9 @@ class EvalConfig:
     dist_timeout_min: float = 24 * 60
 
     def __post_init__(self) -> None:
-        self.policy = self.policy.strip().lower()
+        self.policy = self.policy.strip()
+        if not is_policy_spec(self.policy):  # a spec's path and class name keep their case
+            self.policy = self.policy.lower()
         _at_least_one("max_new_tokens", "--max-new-tokens", self.max_new_tokens)
         _at_least_one("max_batch", "--max-batch", self.max_batch)
         _at_least_one("samples", "--samples", self.samples)

@@ -79,6 +79,7 @@ from beaconkv.eval.sandbox import check_containment
 from beaconkv.eval.seeds import derive_seed
 from beaconkv.eval.summary import SummaryRow, write_summary
 from beaconkv.policies import EvictionPolicy
+from beaconkv.policies.registry import policy_display_name
 from beaconkv.sampling import SamplingParams
 
 __all__ = ["EvalReport", "PlannedSample", "plan_samples", "run_eval"]
@@ -233,7 +234,7 @@ def _run(
         raise DatasetFormatError(
             f"no problems to evaluate for benchmark {benchmark!r}; pass at least one problem"
         )
-    label = policy_label(config.policy, config.tag)
+    label = policy_label(policy_display_name(config.policy), config.tag)
     budget = config.effective_budget
     out_dir = Path(config.out_dir)
     stem = results_stem(benchmark, label, budget)

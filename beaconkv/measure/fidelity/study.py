@@ -8,7 +8,6 @@ falls on positions the compressed cache still holds — for global and local que
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ from tqdm.auto import tqdm
 from ...models.decoder import CausalLM
 from ...policies.base import EvictionPolicy
 from ...policies.config import PolicyConfigError
-from ...policies.registry import make_policy, policy_parameters
+from ...policies.registry import auto_n_recent, make_policy, policy_parameters
 from ...policies.samplers import KMeans, NaiveFPS
 from .errors import FidelityError
 from .lockstep import LockStep, StepOutput
@@ -39,15 +38,6 @@ class Run:
 
     name: str
     policy: EvictionPolicy
-
-
-def auto_n_recent(budget: int, default: int = 16, ratio: float = 7 / 8) -> int:
-    """``n_recent`` for a budget: ``default`` when the 7/8 cadence allows it, else ``budget // 8``.
-
-    The base class needs ``budget - floor(ratio * budget) >= n_recent``; with the default 16 that
-    means budget >= 128, so smaller budgets scale ``n_recent`` down (64 -> 8).
-    """
-    return default if budget - math.floor(ratio * budget) >= default else max(budget // 8, 1)
 
 
 def beacon_count(n_beacon: int | str | None, n_recent: int) -> int:
