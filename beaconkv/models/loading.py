@@ -63,15 +63,22 @@ WEIGHT_DTYPES = ("F32", "F16", "BF16")
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
-    """Turns ``torch.bfloat16`` / ``"bf16"`` / ``"float32"`` ... into one of :data:`MODEL_DTYPES`.
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str | None = None) -> torch.dtype:
+    """Turns ``torch.bfloat16`` / ``"bf16"`` / ``"float32"`` / ``"auto"`` ... into one of :data:`MODEL_DTYPES`.
+
+    Args:
+        dtype: A dtype, its name, ``"auto"`` (bfloat16 on a CUDA device, float32 elsewhere, as the
+            evaluation has always chosen) or None (float32).
+        device: The device ``"auto"`` chooses for (None: the CPU).
 
     Raises:
         ValueError: An unknown name, or a dtype the model cannot compute in (integers, float8,
-            float64...); the message lists float32, bfloat16 and float16.
+            float64...); the message lists auto, float32, bfloat16 and float16.
     """
     if dtype is None:
         return torch.float32
+    if isinstance(dtype, str) and dtype.lower() == "auto":
+        return torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported for a model: use float32, bfloat16 or float16 "
@@ -79,7 +86,7 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
         return dtype
     key = str(dtype).lower().removeprefix("torch.")
     if key not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported: use float32, bfloat16 or float16 "
+        raise ValueError(f"dtype={dtype!r} is not supported: use auto, float32, bfloat16 or float16 "
                          f"(accepted spellings: {', '.join(sorted(_DTYPES))}).")
     return _DTYPES[key]
 
@@ -87,9 +94,15 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
 def resolve_device(device: torch.device | str | None) -> torch.device:
     """Validates a device string and checks that it is available.
 
+    Args:
+        device: A device, its string (``"cpu"``, ``"cuda:1"`` ...), ``"auto"`` (CUDA when this machine
+            has it, else the CPU) or None (the CPU).
+
     Raises:
         ValueError: Malformed device string, or a CUDA/MPS device that this machine does not have.
     """
+    if isinstance(device, str) and device.lower() == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device if device is not None else "cpu")
     except RuntimeError as err:
@@ -424,8 +437,9 @@ def load_model(
 
     Args:
         path_or_id: Checkpoint directory or hub repo id (``"Qwen/Qwen3-4B"``).
-        dtype: Parameter dtype (``torch.bfloat16``, ``"bf16"``, ``"float32"`` ...).
-        device: Target device.
+        dtype: Parameter dtype (``torch.bfloat16``, ``"bf16"``, ``"float32"`` ..., or ``"auto"``:
+            bfloat16 on CUDA, float32 elsewhere).
+        device: Target device (``"auto"``: CUDA when available, else the CPU).
         rope: Rotary module or ``rope(config)`` factory (see :func:`~beaconkv.models.decoder.build_model`);
             it is made outside the model's construction, on the CPU like the reference's, and moved to ``device``.
         attention: Attention class or factory (see :func:`~beaconkv.models.decoder.build_model`).
@@ -444,7 +458,8 @@ def load_model(
         MetaTensorError: A component computed a tensor from a parameter in its ``__init__``.
         ValueError: Unknown dtype or device.
     """
-    dtype, dev = resolve_dtype(dtype), resolve_device(device)
+    dev = resolve_device(device)
+    dtype = resolve_dtype(dtype, dev)
     directory = resolve_checkpoint(path_or_id)
     config = ModelConfig.from_file(directory)
     files, weight_map = _shard_files(directory)
