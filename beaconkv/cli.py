@@ -4,8 +4,10 @@ Each tool subcommand (``fidelity``, ``analyze``, ``bench``, ``eval``) lives with
 provides ``add_*_arguments(parser)`` and ``run_*(args)``; this file wires them up, and holds
 ``generate`` and ``demo`` themselves. ``demo`` is the first thing a new user runs: it answers a
 reasoning prompt with BeaconKV at a budget that evicts many times, compiled, then with FullKV, and
-prints the two side by side (cache slots and MiB, evictions, decode speed, agreement). Every
-subcommand runs through :func:`beaconkv.command.run_command`: a user error is one line,
+prints the two side by side (cache slots and MiB, evictions, decode speed, agreement). The options
+several subcommands take (``--model``, ``--device``, ``--dtype``, the policy options, ...) are
+defined once, in :mod:`beaconkv.arguments`, so they mean the same everywhere. Every subcommand runs
+through :func:`beaconkv.command.run_command`: a user error is one line,
 ``beaconkv <command>: error: ...``, with exit status 2 (``--debug`` shows the traceback).
 """
 
@@ -27,10 +29,17 @@ import torch
 
 from . import __version__
 from .arguments import (
+    DEFAULT_BUDGET,
+    WORKLOAD_BUDGETS,
     add_kernels_argument,
     add_kv_storage_argument,
     add_model_arguments,
+    add_n_beacon_argument,
+    add_policy_arguments,
+    add_threads_argument,
+    add_top_k_argument,
     model_path,
+    policy_from_args,
     positive_int,
 )
 from .command import CommandParser, add_debug_argument, run_command
@@ -44,7 +53,6 @@ from .measure.speed.cli import add_bench_arguments, run_bench
 from .models.decoder import CausalLM
 from .models.loading import load_model, resolve_device, resolve_dtype
 from .policies.base import EvictionPolicy, FullKV
-from .policies.registry import make_policy, policy_names
 from .sampling import SamplingParams
 from .serve.cli import add_serve_arguments, run_serve
 from .session import Session
@@ -56,9 +64,9 @@ DEMO_PROMPT = (
     "Think step by step, then give the final answer."
 )
 
-#: ``beaconkv demo``'s defaults: at budget 64 (``n_recent`` 8 fits its 8-token eviction step), 320 new
-#: tokens past the protected prompt evict 32 times.
-DEMO_DEFAULTS = {"policy": "beacon", "budget": 64, "n_recent": 8, "max_new_tokens": 320}
+#: ``beaconkv demo``'s defaults: at its budget (``WORKLOAD_BUDGETS["demo"]``, 64, where ``--n-recent auto``
+#: is 8, the 8-token eviction step), 320 new tokens past the protected prompt evict 32 times.
+DEMO_DEFAULTS = {"budget": WORKLOAD_BUDGETS["demo"], "max_new_tokens": 320}
 
 #: Seconds the demo's compiles of the embedded model's decode step took on this project's 2-core CPU
 #: (inductor, float32, 2 threads) with an empty (``cold``) and a filled (``warm``) inductor cache:
@@ -79,31 +87,6 @@ TOOLS: dict[str, tuple[Callable[[argparse.ArgumentParser], object], Callable[[ar
 }
 
 
-def add_policy_arguments(p: argparse.ArgumentParser, policy: str = "full", budget: int | None = None,
-                         n_recent: int | None = None) -> None:
-    """``--policy``, ``--budget``, ``--n-recent``, ``--n-beacon``: the policy of a generation.
-
-    Args:
-        p: The parser.
-        policy: Default ``--policy``.
-        budget: Default ``--budget`` (None: the policy needs one given).
-        n_recent: Default ``--n-recent`` (None: the policy's own, 16).
-    """
-    p.add_argument("--policy", default=policy, help=f"registry name: {', '.join(policy_names())} (default {policy})")
-    p.add_argument("--budget", type=int, default=budget,
-                   help="evictable tokens kept per sequence and KV head" + (f" (default {budget})" if budget else ""))
-    p.add_argument("--n-recent", type=int, default=n_recent,
-                   help=f"recent tokens always kept (default {n_recent or 16}); budget - floor(7/8 budget) must "
-                        "be >= n_recent")
-    p.add_argument("--n-beacon", type=int, default=None, help="beacons per query head (BeaconKV; default 16)")
-
-
-def policy_from_args(args: argparse.Namespace) -> EvictionPolicy:
-    """The policy named by ``--policy`` and its options (validated before any model loads)."""
-    kw = {k: v for k, v in (("n_recent", args.n_recent), ("n_beacon", args.n_beacon)) if v is not None}
-    return make_policy(args.policy, budget=args.budget, **kw)
-
-
 def _generation_arguments(p: argparse.ArgumentParser, default_tokens: int, *, demo: bool = False) -> None:
     """The options ``generate`` and ``demo`` share; ``demo`` changes the defaults (see :data:`DEMO_DEFAULTS`)."""
     add_model_arguments(p)
@@ -111,13 +94,13 @@ def _generation_arguments(p: argparse.ArgumentParser, default_tokens: int, *, de
                    help=f"most new tokens per prompt (default {default_tokens})")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (default 0 = off)")
+    add_top_k_argument(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=demo,
                    help="always generate --max-new-tokens tokens, past end-of-sequence"
                         + (" (default: on, so that the cache fills and evicts)" if demo else " (default: off)"))
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_argument(p)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=demo,
                    help="compile the decode step and the policy's work with torch.compile"
                         + (" (default: on; --no-compile decodes eagerly)" if demo else " (default: off)"))
@@ -126,14 +109,16 @@ def _generation_arguments(p: argparse.ArgumentParser, default_tokens: int, *, de
                         "code: it checks that a model compiles, at eager speed)")
     add_kv_storage_argument(p)
     add_kernels_argument(p)
-    if demo:
-        add_policy_arguments(p, DEMO_DEFAULTS["policy"], DEMO_DEFAULTS["budget"], DEMO_DEFAULTS["n_recent"])
-    else:
-        add_policy_arguments(p)
+    add_policy_arguments(p)
+    add_n_beacon_argument(p)
 
 
-def _check_generation_settings(args: argparse.Namespace) -> EvictionPolicy:
+def _check_generation_settings(args: argparse.Namespace, default_budget: int = DEFAULT_BUDGET) -> EvictionPolicy:
     """Validates the policy, sampling, dtype and device options before anything loads, applies ``--threads``.
+
+    Args:
+        args: The parsed options.
+        default_budget: The budget without ``--budget``.
 
     Returns:
         The policy ``--policy`` and its options name.
@@ -142,10 +127,9 @@ def _check_generation_settings(args: argparse.Namespace) -> EvictionPolicy:
         beaconkv.policies.PolicyConfigError: An unknown policy or inconsistent settings.
         ValueError: Bad sampling settings, an unsupported dtype or an unavailable device.
     """
-    policy = policy_from_args(args)
+    policy = policy_from_args(args, default_budget)
     SamplingParams(args.temperature, args.top_p, args.top_k)
-    resolve_dtype(args.dtype)
-    resolve_device(args.device)
+    resolve_dtype(args.dtype, resolve_device(args.device))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     return policy
@@ -168,7 +152,8 @@ def run_generation(args: argparse.Namespace, prompts: list[str]) -> int:
     t0 = time.perf_counter()
     model = load_model(path, dtype=args.dtype, device=args.device)
     tok = load_tokenizer(path)
-    print(f"loaded {path} ({model.config.model_type}, {args.dtype}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    print(f"loaded {path} ({model.config.model_type}, {_placement(args)}) in {time.perf_counter() - t0:.1f}s",
+          file=sys.stderr)
     single = len(prompts) == 1
 
     def stream(i: int, token: int, text: str) -> None:
@@ -197,6 +182,12 @@ def run_generation(args: argparse.Namespace, prompts: list[str]) -> int:
         file=sys.stderr if not getattr(args, "stats_to_stdout", False) else sys.stdout,
     )
     return 0
+
+
+def _placement(args: argparse.Namespace) -> str:
+    """``--dtype`` and ``--device`` as resolved (``auto`` made concrete): ``"float32, cpu"``."""
+    device = resolve_device(args.device)
+    return f"{str(resolve_dtype(args.dtype, device)).removeprefix('torch.')}, {device}"
 
 
 # ------------------------------------------------------------------------------------------- demo
@@ -336,7 +327,9 @@ def _inductor_cache_state() -> str:
 
 
 def _compile_key(args: argparse.Namespace, what: str, state: str) -> str:
-    return (f"{what} torch={torch.__version__} {args.device} {args.dtype} threads={torch.get_num_threads()} "
+    device = resolve_device(args.device)
+    dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
+    return (f"{what} torch={torch.__version__} {device} {dtype} threads={torch.get_num_threads()} "
             f"{args.compile_backend} model={args.model or 'embedded'} {state}")
 
 
@@ -432,7 +425,7 @@ def run_demo(args: argparse.Namespace) -> int:
         beaconkv.policies.PolicyConfigError: Bad policy settings (before the model loads).
         ValueError: Bad sampling settings, dtype or device (before the model loads).
     """
-    policy = _check_generation_settings(args)
+    policy = _check_generation_settings(args, DEMO_DEFAULTS["budget"])
     if not args.prompt.strip():
         raise ValueError("--prompt is empty; pass a question, or leave --prompt out for the default one.")
     path = model_path(args.model)
@@ -440,7 +433,7 @@ def run_demo(args: argparse.Namespace) -> int:
     model = load_model(path, dtype=args.dtype, device=args.device)
     tok = load_tokenizer(path)
     name = "the embedded SmolLM2-135M-Instruct" if args.model in (None, "embedded") else path
-    print(f"beaconkv demo: {name} ({args.dtype}, {args.device}, {torch.get_num_threads()} thread(s), loaded in "
+    print(f"beaconkv demo: {name} ({_placement(args)}, {torch.get_num_threads()} thread(s), loaded in "
           f"{time.perf_counter() - t0:.1f} s), greedy, {args.max_new_tokens} new tokens"
           + (" (end-of-sequence ignored so that the cache fills)" if args.ignore_eos else ""), flush=True)
     settings = ", ".join(f"{k}={getattr(policy, k)}" for k in ("n_recent", "n_beacon") if hasattr(policy, k))
@@ -461,8 +454,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _short_label(policy: EvictionPolicy) -> str:
+    """``BeaconKV(budget=64)``: the class (a user's own too) and the budget."""
     budget = getattr(policy, "budget", None)
-    name = {"beacon": "BeaconKV", "full": "FullKV"}.get(policy.name, type(policy).__name__)
+    name = type(policy).__name__
     return f"{name}(budget={budget})" if budget is not None else name
 
 
@@ -477,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(_run=lambda a: run_generation(a, a.prompt))
     d = sub.add_parser("demo", help="BeaconKV vs FullKV on a reasoning prompt: memory, evictions, speed, agreement",
                        description="Answers a reasoning prompt with BeaconKV at a budget that evicts many times "
-                                   "(compiled), then with FullKV, and prints both side by side.")
+                                   f"(--budget defaults to {DEMO_DEFAULTS['budget']} here, --n-recent auto to 8; "
+                                   "compiled), then with FullKV, and prints both side by side.")
     d.add_argument("--prompt", default=DEMO_PROMPT, help="the question (default: a short word problem)")
     _generation_arguments(d, DEMO_DEFAULTS["max_new_tokens"], demo=True)
     d.set_defaults(_run=run_demo)

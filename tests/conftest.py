@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny random-weight transformers models saved as checkpoints (the parity oracle);
-and the Hypothesis profiles.
+"""Shared fixtures: tiny random-weight transformers models saved as checkpoints (the parity oracle), one
+of them with a word tokenizer for the command line; and the Hypothesis profiles.
 
 Hypothesis profiles: ``ci`` (the default: ``derandomize=True``, no example database, so every run of
 ``make test`` on any machine draws the same examples) and ``dev`` (random examples, a fresh seed each
@@ -10,7 +10,10 @@ prints.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import string
 from pathlib import Path
 
 import pytest
@@ -70,3 +73,21 @@ def tiny_models(tmp_path_factory):
         d = tmp_path_factory.mktemp(kind)
         out[kind] = (d, save_tiny_model(kind, d))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_models, tmp_path_factory) -> Path:
+    """The tiny random llama as a checkpoint the CLI can load: weights, config and a 97-token word tokenizer."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    d = tmp_path_factory.mktemp("tiny_cli")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_models["llama"][0] / name, d / name)
+    words = ["<unk>", "<s>", "</s>", *string.ascii_lowercase, *[f"w{i}" for i in range(97 - 29)]]
+    tok = HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    return d

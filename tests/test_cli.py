@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import string
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -42,24 +39,6 @@ def restore_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tiny_models, tmp_path_factory) -> Path:
-    """The tiny random llama as a checkpoint the CLI can load: weights, config and a 97-token word tokenizer."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    d = tmp_path_factory.mktemp("tiny_cli")
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(tiny_models["llama"][0] / name, d / name)
-    words = ["<unk>", "<s>", "</s>", *string.ascii_lowercase, *[f"w{i}" for i in range(97 - 29)]]
-    tok = HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
-    return d
 
 
 def _one_line_error(rc: int, err: str, command: str, *fragments: str) -> str:
@@ -103,9 +82,10 @@ def test_demo_prints_fullkv_and_the_policy_side_by_side(policy, label, capsys):
 
 def test_demo_defaults_evict_many_times_and_compile():
     args = cli.build_parser().parse_args(["demo"])
-    assert (args.policy, args.budget, args.n_recent) == ("beacon", 64, 8)
+    assert (args.policy, args.budget, args.n_recent) == ("beacon", None, None)  # the shared defaults: beacon, auto
     assert args.compile and args.ignore_eos and args.max_new_tokens >= 300
-    policy = cli.policy_from_args(args)  # a valid policy: budget - floor(7/8 budget) >= n_recent
+    policy = cli.policy_from_args(args, cli.DEMO_DEFAULTS["budget"])  # budget - floor(7/8 budget) >= n_recent
+    assert (type(policy).__name__, policy.budget, policy.n_recent) == ("BeaconKV", 64, 8)
     assert (args.max_new_tokens - 1) // (policy.budget - policy.budget * 7 // 8) >= 30  # evictions, at least
 
 
@@ -163,7 +143,7 @@ def test_unknown_policy_fails_before_loading(command, capsys, no_model):
 
 
 def test_budget_too_small_for_n_recent_fails_before_loading(capsys, no_model):
-    rc = main(["generate", "--prompt", "x", "--policy", "beacon", "--budget", "64"])
+    rc = main(["generate", "--prompt", "x", "--policy", "beacon", "--budget", "64", "--n-recent", "16"])
     _one_line_error(rc, capsys.readouterr().err, "generate", "budget=64", "n_recent=16", "budget >= 128",
                     "smaller n_recent")
 

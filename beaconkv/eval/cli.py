@@ -12,13 +12,21 @@ reports it as one line ``beaconkv eval: error: ...`` with exit status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from typing import Any
 
-from beaconkv.arguments import add_kv_storage_argument
+from beaconkv.arguments import (
+    add_device_argument,
+    add_dtype_argument,
+    add_kv_storage_argument,
+    add_max_batch_argument,
+    add_model_argument,
+    add_policy_arguments,
+    add_top_k_argument,
+    key_value,
+    policy_settings,
+)
 from beaconkv.eval.benchmarks import BENCHMARKS
-from beaconkv.eval.config import DTYPE_CHOICES, SANDBOX_CHOICES, EvalConfig
+from beaconkv.eval.config import SANDBOX_CHOICES, EvalConfig
 from beaconkv.eval.runner import EvalReport, run_eval
 
 __all__ = ["add_eval_arguments", "config_from_args", "run_eval_from_args"]
@@ -42,22 +50,6 @@ table to <out>/summary.md.
 """
 
 
-def _key_value(text: str) -> tuple[str, str]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    key, value = text.split("=", 1)
-    if not key:
-        raise argparse.ArgumentTypeError(f"empty key in {text!r}")
-    return key, value
-
-
-def _json_or_str(value: str) -> Any:
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        return value
-
-
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the evaluation's options to ``parser``.
 
@@ -74,7 +66,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     names = ", ".join(f"{n} ({s.description})" for n, s in BENCHMARKS.items())
     data = parser.add_argument_group("model and data")
-    data.add_argument("--model", required=True, help="checkpoint folder, hub model id, or 'embedded'")
+    add_model_argument(data)
     data.add_argument("--benchmark", required=True, help=f"one of: {names}")
     data.add_argument(
         "--data",
@@ -87,7 +79,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     data.add_argument(
         "--field",
         action="append",
-        type=_key_value,
+        type=key_value,
         default=[],
         metavar="ROLE=COLUMN",
         help="map a role (id, question, answer, solution, choices, starter_code, public_tests, "
@@ -96,20 +88,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     data.add_argument("--limit", type=int, help="only the first N problems (N >= 1)")
 
     policy = parser.add_argument_group("KV cache policy")
-    policy.add_argument(
-        "--policy",
-        default="beacon",
-        help="full, beacon, snapkv, rpc, rkv, h2o, streaming, initial_recent (default: beacon)",
-    )
-    policy.add_argument("--budget", type=int, default=1024, help="KV budget (default: 1024)")
-    policy.add_argument(
-        "--policy-arg",
-        action="append",
-        type=_key_value,
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra policy argument (VALUE parsed as JSON, else a string), e.g. aggregation=mean",
-    )
+    add_policy_arguments(policy)
     policy.add_argument("--tag", help="label of a policy variant in file names and the table")
     add_kv_storage_argument(policy)
 
@@ -120,7 +99,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     gen.add_argument("--max-new-tokens", type=int, default=32768)
     gen.add_argument("--temperature", type=float, default=0.6)
     gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--top-k", type=int, default=0)
+    add_top_k_argument(gen)
     gen.add_argument("--seed", type=int, default=0, help="base seed of the per-sample seeds")
     gen.add_argument(
         "--enable-thinking",
@@ -131,25 +110,15 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
     run = parser.add_argument_group("run")
     run.add_argument("--out", default="results", help="results folder (default: results)")
-    run.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    run.add_argument(
-        "--max-batch",
-        type=int,
-        default=8,
-        help="cache slots of the engine: samples decoded together; a finished sample's slot goes "
-        "to the next one at once (default: 8; results do not depend on it)",
-    )
+    add_device_argument(run)
+    add_max_batch_argument(run)  # results do not depend on it: every sample has its own seed
     run.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=False,
         help="compile the decode step and the policy's work with torch.compile (default: off)",
     )
-    run.add_argument(
-        "--dtype",
-        default="auto",
-        help=f"{', '.join(DTYPE_CHOICES)} (default: auto = bfloat16 on CUDA, float32 on CPU)",
-    )
+    add_dtype_argument(run)
     run.add_argument("--save-token-ids", action="store_true", help="store generated token ids")
     run.add_argument("--code-timeout", type=float, default=6.0, help="seconds per code test")
     run.add_argument("--code-memory-mb", type=int, default=1024, help="memory per code test")
@@ -175,12 +144,17 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
 
     Returns:
         The :class:`EvalConfig`.
+
+    Raises:
+        PolicyConfigError: An unknown policy or spec, ``--budget`` with ``--policy full``, or a
+            parameter set twice (see :func:`beaconkv.arguments.policy_settings`).
     """
     field_map: dict[str, str | list[str]] = {}
     for role, column in args.field:
         field_map[role] = column.split(",") if role == "choices" else column
+    policy = policy_settings(args)
     return EvalConfig(
-        model=args.model,
+        model=args.model or "embedded",
         benchmark=args.benchmark,
         data=args.data,
         hub_repo=args.hub_repo,
@@ -188,9 +162,9 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         hub_revision=args.hub_revision,
         field_map=field_map,
         limit=args.limit,
-        policy=args.policy,
-        budget=args.budget,
-        policy_kwargs={k: _json_or_str(v) for k, v in args.policy_arg},
+        policy=policy.name,
+        budget=policy.budget,
+        policy_kwargs=policy.kwargs,
         tag=args.tag,
         samples=args.samples,
         max_new_tokens=args.max_new_tokens,

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..arguments import WORKLOAD_BUDGETS, add_policy_arguments, policy_settings
 from ..command import module_main
 from ..models.decoder import CausalLM
 from ..policies.base import EvictionPolicy
@@ -44,7 +45,6 @@ from .fidelity.errors import FidelityError
 from .fidelity.lockstep import LockStep
 from .fidelity.metrics import GlobalQueryRule, LengthAwareRule, held_attention_mass
 from .fidelity.metrics import prompt_mass as on_prompt
-from .fidelity.study import auto_n_recent
 from .fidelity.traces import Trace, forced_tokens
 
 
@@ -545,9 +545,7 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.description = "Global vs local queries on one reasoning trace, and the beacons BeaconKV held (PNG + text)."
     add_trace_arguments(parser, num_traces=1, tokens=768)
     p = parser.add_argument_group("policy run alongside")
-    p.add_argument("--policy", default="beacon", help="registry name (default beacon)")
-    p.add_argument("--budget", type=int, default=128, help="its budget (default 128)")
-    p.add_argument("--n-recent", type=int, default=None, help="recent tokens kept (default 16, or budget // 8)")
+    add_policy_arguments(p)
     p.add_argument("--n-beacon", type=int, default=None, help="beacons (default = n_recent)")
     v = parser.add_argument_group("figures")
     v.add_argument("--window", default=None,
@@ -562,6 +560,20 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     return parser
 
 
+def analyze_policy(args: argparse.Namespace) -> EvictionPolicy:
+    """The policy ``analyze`` runs alongside: the shared policy options (budget default
+    ``WORKLOAD_BUDGETS["analyze"]``), with as many beacons as recent tokens unless ``--n-beacon`` says.
+
+    Raises:
+        beaconkv.policies.PolicyConfigError: Bad policy options or settings the policy rejects.
+    """
+    settings = policy_settings(args, WORKLOAD_BUDGETS["analyze"])
+    kwargs = dict(settings.kwargs)
+    if settings.budget is not None and "n_beacon" in policy_parameters(settings.name) and "n_beacon" not in kwargs:
+        kwargs["n_beacon"] = kwargs.get("n_recent", policy_parameters(settings.name)["n_recent"])
+    return make_policy(settings.name, settings.budget, **kwargs)
+
+
 def run_analyze(args: argparse.Namespace) -> int:
     """Runs ``beaconkv analyze`` from parsed arguments; writes PNGs, a CSV and ``summary.txt``.
 
@@ -572,14 +584,10 @@ def run_analyze(args: argparse.Namespace) -> int:
         FidelityError: Bad settings (policy and ranges checked before the model loads where possible).
     """
     t0 = time.perf_counter()
-    rule = GlobalQueryRule(args.top_k, args.global_threshold)
+    rule = GlobalQueryRule(args.attention_top_k, args.global_threshold)
     if not 0 < args.low_sim_quantile <= 1:
         raise FidelityError(f"--low-sim-quantile={args.low_sim_quantile} must lie in (0, 1].")
-    n_recent = args.n_recent if args.n_recent is not None else auto_n_recent(args.budget)
-    kw = {"n_recent": n_recent}
-    if "n_beacon" in policy_parameters(args.policy):
-        kw["n_beacon"] = args.n_beacon if args.n_beacon is not None else n_recent
-    policy = make_policy(args.policy, args.budget, **kw)
+    policy = analyze_policy(args)
     window = parse_window(args.window, args.tokens)
     model, _, traces = load_model_and_traces(args)
     trace = traces[0]
@@ -589,7 +597,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     for name, val, hi in limits:
         if val is not None and not 0 <= val < hi:
             raise FidelityError(f"{name}={val} is out of range; the model has {hi} (0 .. {hi - 1}).")
-    sparse_rule = LengthAwareRule(args.top_k, args.la_fraction, args.la_recent, args.la_mass)
+    sparse_rule = LengthAwareRule(args.attention_top_k, args.la_fraction, args.la_recent, args.la_mass)
     a = analyze_trace(model, trace, args.tokens, rule, policy, progress=not args.no_progress, sparse_rule=sparse_rule)
     layer, head = mixed_head(a, window)
     layer = args.layer if args.layer is not None else layer

@@ -21,8 +21,13 @@ import torch
 from ..arguments import (
     add_kernels_argument,
     add_kv_storage_argument,
+    add_max_batch_argument,
     add_model_arguments,
+    add_n_beacon_argument,
+    add_policy_arguments,
+    add_threads_argument,
     model_path,
+    policy_from_args,
     positive_int,
 )
 from ..engine import Engine
@@ -34,13 +39,14 @@ from ..models.loading import (
     resolve_device,
     resolve_dtype,
 )
-from ..policies.base import EvictionPolicy
-from ..policies.registry import make_policy, policy_names
 from ..tokenizer import load_tokenizer
 from .limits import DEFAULT_MAX_REQUEST_BYTES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 """``--log-level`` choices (uvicorn's)."""
+
+DEFAULT_PROMPT_CAPACITY = 1024
+"""``--prompt-capacity`` without it or ``--max-model-len``: the longest prompt a slot takes."""
 
 
 class ServeError(ValueError):
@@ -74,21 +80,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names requests may use as 'model' (default: the --model directory's name, the hub id, "
                         "or 'embedded')")
-    m.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_argument(m)
     m.add_argument("--compile", action="store_true",
                    help="compile the decode step and the policy's work (the first request pays for it)")
     add_kv_storage_argument(m)
     add_kernels_argument(m)
     p = parser.add_argument_group("eviction policy")
-    p.add_argument("--policy", default="beacon", help=f"registry name: {', '.join(policy_names())} (default beacon)")
-    p.add_argument("--budget", type=int, default=1024,
-                   help="evictable tokens kept per request and KV head (default 1024; ignored by full)")
-    p.add_argument("--n-recent", type=int, default=None, help="recent tokens always kept (policy default)")
-    p.add_argument("--n-beacon", type=int, default=None, help="beacons per query head (BeaconKV)")
+    add_policy_arguments(p)
+    add_n_beacon_argument(p)
     e = parser.add_argument_group("engine")
-    e.add_argument("--max-batch", type=positive_int, default=8, help="cache slots: requests decoded together (default 8)")
-    e.add_argument("--prompt-capacity", type=positive_int, default=1024,
-                   help="longest prompt a slot takes, in tokens (default 1024)")
+    add_max_batch_argument(e)
+    e.add_argument("--prompt-capacity", type=positive_int, default=None, metavar="TOKENS",
+                   help=f"longest prompt a slot takes, in tokens (default {DEFAULT_PROMPT_CAPACITY}, or "
+                        "--max-model-len minus --max-new-tokens)")
+    e.add_argument("--max-model-len", type=positive_int, default=None, metavar="TOKENS",
+                   help="vLLM's option: the most tokens of a request, prompt and new tokens together; sets "
+                        "--prompt-capacity to MAX_MODEL_LEN - --max-new-tokens (give one of the two)")
     e.add_argument("--max-new-tokens", type=positive_int, default=2048,
                    help="most new tokens a request may ask for; also the default max_tokens (default 2048)")
     e.add_argument("--max-queue", type=positive_int, default=256,
@@ -104,14 +111,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
-def policy_from_args(args: argparse.Namespace) -> EvictionPolicy:
-    """The policy ``--policy``, ``--budget``, ``--n-recent`` and ``--n-beacon`` describe.
+def prompt_capacity(args: argparse.Namespace) -> int:
+    """The slots' prompt capacity: ``--prompt-capacity``, or ``--max-model-len`` less ``--max-new-tokens``.
 
     Raises:
-        beaconkv.policies.PolicyConfigError: An unknown name or settings the policy rejects.
+        ServeError: Both options given, or a ``--max-model-len`` that leaves no room for a prompt.
     """
-    kw = {k: v for k, v in (("n_recent", args.n_recent), ("n_beacon", args.n_beacon)) if v is not None}
-    return make_policy(args.policy, budget=args.budget, **kw)
+    if args.max_model_len is None:
+        return args.prompt_capacity if args.prompt_capacity is not None else DEFAULT_PROMPT_CAPACITY
+    if args.prompt_capacity is not None:
+        raise ServeError(f"--max-model-len {args.max_model_len} and --prompt-capacity {args.prompt_capacity} both size "
+                         "the prompts; give one of them.")
+    if args.max_model_len <= args.max_new_tokens:
+        raise ServeError(f"--max-model-len {args.max_model_len} leaves no room for a prompt after --max-new-tokens "
+                         f"{args.max_new_tokens}; raise --max-model-len or lower --max-new-tokens.")
+    return args.max_model_len - args.max_new_tokens
 
 
 def served_names(model: str | None, names: list[str] | None) -> list[str]:
@@ -162,12 +176,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _check_limits(args: argparse.Namespace, directory: Path) -> None:
+def _check_limits(args: argparse.Namespace, directory: Path, capacity: int) -> None:
     limit = ModelConfig.from_file(directory).max_position_embeddings
-    if args.prompt_capacity + args.max_new_tokens > limit:
-        raise ServeError(f"--prompt-capacity {args.prompt_capacity} + --max-new-tokens {args.max_new_tokens} = "
-                         f"{args.prompt_capacity + args.max_new_tokens} exceeds the model's max_position_embeddings="
-                         f"{limit}; lower one of them.")
+    if capacity + args.max_new_tokens > limit:
+        given = (f"--max-model-len {args.max_model_len}" if args.max_model_len is not None
+                 else f"--prompt-capacity {capacity} + --max-new-tokens {args.max_new_tokens}")
+        raise ServeError(f"{given} = {capacity + args.max_new_tokens} tokens exceeds the model's "
+                         f"max_position_embeddings={limit}; lower it.")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -181,19 +196,24 @@ def run_serve(args: argparse.Namespace) -> int:
         which :func:`beaconkv.command.run_command` turns into exit status 130.
 
     Raises:
-        beaconkv.policies.PolicyConfigError: An unknown policy or a budget it rejects.
-        ServeError: Limits beyond the model's positions, a busy port, an empty name, or fastapi and
-            uvicorn missing.
+        beaconkv.policies.PolicyConfigError: An unknown policy, a budget it rejects, or a budget with
+            ``--policy full``.
+        ServeError: Limits beyond the model's positions, ``--max-model-len`` with ``--prompt-capacity``,
+            ``--max-batch`` below 1, a busy port, an empty name, or fastapi and uvicorn missing.
         ValueError: An unknown dtype or an unavailable device.
         FileNotFoundError: No such checkpoint.
     """
     policy = policy_from_args(args)
+    if args.max_batch < 1:
+        raise ServeError(f"max_batch={args.max_batch} must be >= 1; pass --max-batch N (vLLM: --max-num-seqs) "
+                         "with N >= 1.")
+    capacity = prompt_capacity(args)
     names = served_names(args.model, args.served_model_name)
-    resolve_dtype(args.dtype)
-    resolve_device(args.device)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     path = model_path(args.model)
     directory = resolve_checkpoint(path)
-    _check_limits(args, directory)
+    _check_limits(args, directory, capacity)
     try:
         # The one function-level import of this package: beaconkv.serve.server needs fastapi and uvicorn
         # (the optional `serve` extra), and importing it here keeps `beaconkv.cli`, which imports this
@@ -207,18 +227,19 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         t0 = time.perf_counter()
-        model = load_model(directory, dtype=args.dtype, device=args.device)
+        model = load_model(directory, dtype=dtype, device=device)
         tokenizer = load_tokenizer(directory)
-        engine = Engine(model, tokenizer, policy=policy, max_batch=args.max_batch, prompt_capacity=args.prompt_capacity,
+        engine = Engine(model, tokenizer, policy=policy, max_batch=args.max_batch, prompt_capacity=capacity,
                         max_new_tokens=args.max_new_tokens, kv_storage=args.kv_storage, kernels=args.kernels,
                         compile=CompileConfig() if args.compile else False, max_queue=args.max_queue, seed=args.seed)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        print(f"beaconkv serve: loaded {path} ({model.config.model_type}, {args.dtype}) in "
+        print(f"beaconkv serve: loaded {path} ({model.config.model_type}, {str(dtype).removeprefix('torch.')}, "
+              f"{device}) in "
               f"{time.perf_counter() - t0:.1f}s; {args.max_batch} slots of {engine.slot_capacity} tokens "
               f"({engine.cache_bytes / 2**20:.0f} MiB, {args.kv_storage}), {policy!r}", file=sys.stderr)
         banner = (f"beaconkv serve: serving {', '.join(names)} at http://{shown}:{port}/v1 "
-                  f"(prompts up to {args.prompt_capacity} tokens, up to {args.max_new_tokens} new tokens; "
+                  f"(prompts up to {capacity} tokens, up to {args.max_new_tokens} new tokens; "
                   "Ctrl-C stops)")
         return server.serve(engine, tokenizer, names, sock, threads=args.threads, log_level=args.log_level,
                             banner=banner, max_request_bytes=args.max_request_bytes)

@@ -229,7 +229,7 @@ def test_cli_arguments_build_the_config(tmp_path: Path, monkeypatch, project_dat
     args = parser.parse_args(
         [
             "--model", "fake", "--benchmark", "aime24", "--data", str(project_data / "aime24.jsonl"),
-            "--policy", "full", "--samples", "2", "--max-new-tokens", "3", "--limit", "2",
+            "--policy", "beacon", "--samples", "2", "--max-new-tokens", "3", "--limit", "2",
             "--out", str(tmp_path), "--policy-arg", "n_beacon=8", "--policy-arg", "aggregation=max",
             "--field", "choices=A,B", "--no-progress",
         ]
@@ -238,8 +238,7 @@ def test_cli_arguments_build_the_config(tmp_path: Path, monkeypatch, project_dat
     assert (cfg.temperature, cfg.top_p, cfg.samples, cfg.limit) == (0.6, 0.95, 2, 2)
     assert cfg.policy_kwargs == {"n_beacon": 8, "aggregation": "max"}
     assert cfg.field_map == {"choices": ["A", "B"]}
-    args.policy_arg = []
-    args.field = []
+    args.policy, args.policy_arg, args.field = "full", [], []  # FullKV takes no n_beacon: an error with it
     monkeypatch.setattr(runner, "load_backend", lambda *a, **k: GenerationBackend(Tok(), FakeEngines()))
     assert run_eval_from_args(args) == 0
     out = capsys.readouterr().out

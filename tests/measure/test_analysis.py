@@ -79,7 +79,7 @@ def test_analyze_cli_runs_end_to_end_on_a_short_real_trace(tmp_path, capsys):
     parser = add_analyze_arguments(argparse.ArgumentParser())
     out = tmp_path / "an"
     args = parser.parse_args([
-        "--tokens", "24", "--budget", "16", "--top-k", "8", "--global-threshold", "20", "--window", "4:24",
+        "--tokens", "24", "--budget", "16", "--attention-top-k", "8", "--global-threshold", "20", "--window", "4:24",
         "--out", str(out), "--no-progress", "--threads", "1",
     ])
     assert run_analyze(args) == 0

@@ -250,7 +250,8 @@ def test_cli_runs_end_to_end_on_short_real_traces(tmp_path, capsys):
     out = tmp_path / "fid"
     args = parser.parse_args([
         "--num-traces", "2", "--tokens", "16", "--budgets", "8,16", "--policies", "beacon,snapkv",
-        "--top-k", "8", "--global-threshold", "12", "--out", str(out), "--no-progress", "--threads", "1", "--oracle",
+        "--attention-top-k", "8", "--global-threshold", "12", "--out", str(out), "--no-progress", "--threads", "1",
+        "--oracle",
     ])
     assert run_fidelity(args) == 0
     rows = list(csv.DictReader((out / "fidelity.csv").open()))

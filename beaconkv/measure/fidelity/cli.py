@@ -12,15 +12,21 @@ from pathlib import Path
 import torch
 
 from ...arguments import (
+    RenamedOption,
     add_kv_storage_argument,
     add_model_arguments,
+    add_n_recent_argument,
+    add_policy_arg_argument,
+    add_threads_argument,
     int_list,
     int_or_auto,
     model_path,
+    policy_args_by_policy,
     str_list,
 )
 from ...models.decoder import CausalLM
 from ...models.loading import load_model
+from ...policies.config import PolicyConfigError
 from ...policies.registry import policy_names
 from ...tokenizer import Tokenizer, load_tokenizer
 from .errors import FidelityError
@@ -64,7 +70,11 @@ def add_trace_arguments(parser: argparse.ArgumentParser, num_traces: int, tokens
     g.add_argument("--seed", type=int, default=0, help="sampling seed of --generate")
     g.add_argument("--raw", action="store_true", help="do not render the problem with the chat template")
     q = parser.add_argument_group("global queries (SPEC §1)")
-    q.add_argument("--top-k", type=int, default=150, help="attended keys averaged per query (paper 150)")
+    q.add_argument("--attention-top-k", type=int, default=150, metavar="K",
+                   help="a query's K most-attended keys, whose mean distance classifies it as global or local "
+                        "(paper 150; was --top-k)")
+    q.add_argument("--top-k", action=RenamedOption, new="--attention-top-k",
+                   meaning="the most-attended keys averaged per query, not sampling")
     q.add_argument("--global-threshold", type=float, default=200.0,
                    help="mean distance above which a query is global (paper 200; lower it for short traces)")
     q.add_argument("--la-fraction", type=float, default=0.25,
@@ -73,7 +83,7 @@ def add_trace_arguments(parser: argparse.ArgumentParser, num_traces: int, tokens
                    help="length-aware rule: the recent window excluded from 'far' (default 64 tokens)")
     q.add_argument("--la-mass", type=float, default=0.5,
                    help="length-aware rule: attention share on far generated tokens (default 0.5)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -132,12 +142,13 @@ def add_fidelity_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         "attend most (a ceiling for eviction; a first FullKV pass, memory layers x steps x traces "
                         "x kv heads x positions x 4 B)")
     p.add_argument("--policies", type=str_list, default=list(POLICY_ORDER),
-                   help=f"comma-separated registry names (default: the paper's set, {','.join(POLICY_ORDER)}; "
-                        f"all: {','.join(n for n in policy_names() if n != 'full')})")
+                   help=f"comma-separated registry names or classes of your own (module:Class, path/to/file.py:Class) "
+                        f"(default: the paper's set, {','.join(POLICY_ORDER)}; all: "
+                        f"{','.join(n for n in policy_names() if n != 'full')}); --policy-arg KEY=VALUE goes to each "
+                        "that takes KEY")
     p.add_argument("--budgets", type=int_list, default=list(DEFAULT_BUDGETS),
                    help="comma-separated budgets (default 64,128,256,512)")
-    p.add_argument("--n-recent", type=int_or_auto, default=None,
-                   help="recent tokens kept; 'auto' (default) = 16, or budget // 8 where 16 is invalid")
+    add_n_recent_argument(p)
     p.add_argument("--n-beacon", type=beacon_count_argument, default=None,
                    help="beacons of the BeaconKV-like policies: a count, or '<k>x' for k times n_recent at each "
                         "budget (e.g. 8x; default: = n_recent)")
@@ -150,6 +161,7 @@ def add_fidelity_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="call model.decode_step per run instead of batching the dense layers (slower; same result)")
     o.add_argument("--no-packed", action="store_true",
                    help="run the dense layers with the model's own linears instead of oneDNN-prepacked ones (CPU)")
+    add_policy_arg_argument(p)
     add_kv_storage_argument(p)
     return parser
 
@@ -164,12 +176,19 @@ def run_fidelity(args: argparse.Namespace) -> int:
         FidelityError: Bad settings (before the model loads where they can be checked then).
     """
     t0 = time.perf_counter()
-    rule = GlobalQueryRule(args.top_k, args.global_threshold)
-    sparse_rule = LengthAwareRule(args.top_k, args.la_fraction, args.la_recent, args.la_mass)
+    rule = GlobalQueryRule(args.attention_top_k, args.global_threshold)
+    sparse_rule = LengthAwareRule(args.attention_top_k, args.la_fraction, args.la_recent, args.la_mass)
     if args.study == "ablations":
+        if args.policy_arg:
+            raise FidelityError("--policy-arg applies to the grid (--study grid); the ablations set their own "
+                                "parameters.")
         runs = ablation_runs(args.budgets[0] if args.budgets else 256)
     else:
-        runs = study_runs(args.policies, args.budgets, args.n_recent, args.n_beacon, args.n_prefix)
+        try:
+            extra = policy_args_by_policy(args, args.policies)
+        except PolicyConfigError as err:
+            raise FidelityError(str(err)) from err
+        runs = study_runs(args.policies, args.budgets, args.n_recent, args.n_beacon, args.n_prefix, extra=extra)
     model, _, traces = load_model_and_traces(args)
     tokens = forced_tokens(traces, args.tokens)
     if args.oracle:
@@ -192,6 +211,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
         "argv": sys.argv,
         "traces": [t.name for t in traces], "prompt_tokens": [len(t.prompt_ids) for t in traces],
         "tokens": args.tokens, "budgets": args.budgets, "policies": args.policies, "top_k": rule.top_k,
+        "policy_args": dict(args.policy_arg),
         "global_threshold": rule.threshold, "length_aware_rule": dataclasses.asdict(sparse_rule), "study": args.study, "runs": [r.name for r in runs],
         "n_prefix": args.n_prefix, "generated": bool(args.generate),
         "kv_storage": args.kv_storage, "threads": torch.get_num_threads(), "wall_time_s": round(wall, 1),
