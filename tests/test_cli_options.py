@@ -22,18 +22,13 @@ from beaconkv.policies import BeaconKV, FullKV, PolicyConfigError, make_policy, 
 from beaconkv.policies.registry import policy_display_name
 from beaconkv.serve.cli import ServeError, prompt_capacity
 
-#: bench's options live in beaconkv/measure/speed/cli.py, being edited elsewhere; until it adopts the shared
-#: options its checks are expected to fail (strict: they fail loudly once it conforms, so the mark goes).
-BENCH_PENDING = pytest.mark.xfail(strict=True, reason="bench does not use beaconkv.arguments' shared options yet")
-
-
 def subcommands() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 
 def command_params() -> list:
-    return [pytest.param(name, marks=BENCH_PENDING) if name == "bench" else name for name in subcommands()]
+    return list(subcommands())
 
 
 def reference_actions() -> dict[str, argparse.Action]:

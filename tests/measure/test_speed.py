@@ -190,7 +190,7 @@ def test_quick_help_states_its_measured_cost():
 
 def test_bench_budget_too_small_for_n_recent_fails_before_measuring(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(speed_cli, "streaming_bandwidth", lambda *a, **k: pytest.fail("measured before checking"))
-    rc = main(["bench", "--budget", "64", "--out", str(tmp_path / "out")])
+    rc = main(["bench", "--budget", "64", "--n-recent", "16", "--out", str(tmp_path / "out")])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "budget=64" in lines[0] and "smaller n_recent" in lines[0]
     assert not (tmp_path / "out").exists()

@@ -19,11 +19,23 @@ from typing import Any
 
 import torch
 
-from ...arguments import int_list, model_path, str_list
+from ...arguments import (
+    WORKLOAD_BUDGETS,
+    add_budget_argument,
+    add_device_argument,
+    add_model_argument,
+    add_n_recent_argument,
+    add_policy_arg_argument,
+    add_threads_argument,
+    int_list,
+    model_path,
+    policy_args_by_policy,
+    str_list,
+)
 from ...execution import CompileConfig
 from ...models.config import ModelConfig
-from ...models.loading import load_model, resolve_checkpoint
-from ...policies.registry import make_policy
+from ...models.loading import load_model, resolve_checkpoint, resolve_device
+from ...policies.registry import auto_n_recent, make_policy, policy_parameters
 from .compile_time import COMPILE_PROMPT, add_compile_arguments, markdown_compile, run_compile_section
 from .curve import measure_cost_curve, plot_cost_curve
 from .engine_bench import EngineRow, add_engine_arguments, check_engine_arguments, markdown_engine, run_engine_section
@@ -53,9 +65,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """
     parser.description = "Decode speed, bandwidth roofline, cost curve and memory of beaconkv vs transformers."
     g = parser.add_argument_group("model and machine")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: the embedded SmolLM2-135M)")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_model_argument(g)
+    add_device_argument(g)
+    add_threads_argument(g)
     g.add_argument("--sections", type=str_list, default=["throughput", "curve", "policies"],
                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but table4, engine and compile)")
     g.add_argument("--repeats", type=int, default=2, help="timed runs per figure; the best counts (default 2)")
@@ -77,10 +89,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     c.add_argument("--eager-sections", action="store_true",
                    help="run the curve and policy sections eagerly instead of compiled")
     k = parser.add_argument_group("cost curve and policies")
-    k.add_argument("--budget", type=int, default=256, help="budget of BeaconKV and the policies (default 256)")
-    k.add_argument("--n-recent", type=int, default=None,
-                   help="recent tokens the evicting policies keep (default: their own, 16, which needs --budget >= "
-                        "128: budget - floor(7/8 budget) must be >= n_recent)")
+    add_budget_argument(k)
+    add_n_recent_argument(k)
+    add_policy_arg_argument(k)
     k.add_argument("--contexts", type=int_list, default=[512, 1024, 2048, 4096],
                    help="context lengths of the cost curve (default 512,1024,2048,4096)")
     k.add_argument("--curve-window", type=int, default=64, help="steps averaged per curve point (default 64)")
@@ -128,9 +139,10 @@ def run_bench(args: argparse.Namespace) -> int:
         FileNotFoundError: ``--model`` names no checkpoint (checked before anything runs).
     """
     t0 = time.perf_counter()
+    args.budget = WORKLOAD_BUDGETS["bench"] if args.budget is None else args.budget
     if args.quick:
         _apply_quick(args)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     args.policy_dtype = args.policy_dtype or ("bf16" if device.type == "cuda" else "fp32")
     bad_sections = [s for s in args.sections if s not in SECTIONS]
     bad_dtypes = [d for d in [*args.dtypes, args.policy_dtype] if d not in DTYPES]
@@ -142,13 +154,11 @@ def run_bench(args: argparse.Namespace) -> int:
         raise BenchError(f"--repeats={args.repeats} must be >= 1.")
     if "engine" in args.sections:
         check_engine_arguments(args)
+    policy_kwargs: dict[str, dict[str, Any]] = {}
     if "curve" in args.sections or "policies" in args.sections:  # bad policy settings fail before anything runs
-        extra = {} if args.n_recent is None else {"n_recent": args.n_recent}
-        for name in {"beacon", *(args.policies if "policies" in args.sections else [])} - {"full"}:
-            make_policy(name, budget=args.budget, **extra)
+        names = {"beacon", *(args.policies if "policies" in args.sections else [])} - {"full"}
+        policy_kwargs = _policy_kwargs(args, sorted(names))
     if args.threads is not None:
-        if args.threads < 1:
-            raise BenchError(f"--threads={args.threads} must be >= 1.")
         torch.set_num_threads(args.threads)
     path = resolve_checkpoint(model_path(args.model))  # a missing model fails here, before anything runs
     compile_config = CompileConfig(backend=args.compile_backend, freezing=args.freezing or None)
@@ -188,14 +198,14 @@ def run_bench(args: argparse.Namespace) -> int:
         if "curve" in args.sections:
             log("cost curve:")
             points = measure_cost_curve(model, args.contexts, args.budget, args.curve_window, args.prompt_tokens,
-                                        section_compile, args.repeats, log, n_recent=args.n_recent)
+                                        section_compile, args.repeats, log, settings=policy_kwargs["beacon"])
             results["curve"] = [asdict(p) for p in points]
             plot_cost_curve(points, args.budget, f"{name}, {args.policy_dtype}, batch 1, "
                             f"{'eager' if section_compile is None else 'compiled'}", args.out / "cost_curve.png")
         if "policies" in args.sections:
             log(f"policies at budget {args.budget}:")
             rows_p = measure_policies(model, args.policies, args.budget, args.policy_batch, args.prompt_tokens,
-                                      args.policy_cycles, section_compile, args.repeats, log, n_recent=args.n_recent)
+                                      args.policy_cycles, section_compile, args.repeats, log, settings=policy_kwargs)
             results["policies"] = [asdict(r) for r in rows_p]
         del model
     if "table4" in args.sections:
@@ -221,6 +231,20 @@ def run_bench(args: argparse.Namespace) -> int:
     log(f"wrote {args.out}/bench.json, bench.md" + (", cost_curve.png" if "curve" in results else "")
         + f" in {results['wall_time_s'] / 60:.1f} min")
     return 0
+
+
+def _policy_kwargs(args: argparse.Namespace, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Each evicting policy's arguments beyond the budget: ``--n-recent`` (``auto``: the policy's own,
+    lowered to what ``--budget`` allows) and its share of ``--policy-arg``; each is built once, so bad
+    settings fail before anything runs."""
+    shares = policy_args_by_policy(args, names)
+    out = {}
+    for name in names:
+        own = policy_parameters(name).get("n_recent", 16)
+        n_recent = args.n_recent if args.n_recent is not None else auto_n_recent(args.budget, own)
+        out[name] = {"n_recent": n_recent, **shares[name]}
+        make_policy(name, budget=args.budget, **out[name])
+    return out
 
 
 def _command_line(args: argparse.Namespace) -> str:

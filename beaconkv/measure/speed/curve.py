@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ...execution import CompileConfig
 from ...generation import generate
@@ -36,7 +37,7 @@ class CurvePoint:
 def measure_cost_curve(
     model: CausalLM, contexts: Sequence[int], budget: int, window: int, prompt_tokens: int,
     compile_config: CompileConfig | None, repeats: int, log: Callable[[str], None] = print,
-    n_recent: int | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> list[CurvePoint]:
     """Section 3: ms/step as the context grows, FullKV vs BeaconKV(``budget``), batch 1.
 
@@ -47,8 +48,9 @@ def measure_cost_curve(
     the point at N averages the ``window`` steps that end at N. ``window`` should be a multiple of
     ``budget - B_min`` so that evictions count in proportion; the compilations happen in the first
     steps and at the first eviction, before the first window when ``contexts[0] - window`` exceeds
-    ``prompt_tokens + budget``. ``n_recent`` is BeaconKV's (None: its default, 16, which needs
-    ``budget >= 128``). Each run and each point is announced through ``log`` before it starts.
+    ``prompt_tokens + budget``. ``settings`` are BeaconKV's arguments beyond the budget (``n_recent``,
+    ``--policy-arg``; None: its defaults). Each run and each point is announced through ``log``
+    before it starts.
     """
     device = model.device
     vocab = model.config.vocab_size
@@ -57,13 +59,12 @@ def measure_cost_curve(
         raise BenchError(f"contexts {list(contexts)} must be at least prompt_tokens + window = {prompt_tokens + window}.")
     best: list[float] | None = None
     capacity_b = 0
-    extra = {} if n_recent is None else {"n_recent": n_recent}
     for r in range(repeats):
         log(f"  BeaconKV({budget}) to {top} tokens, run {r + 1}/{repeats}: {top - prompt_tokens + 1} steps"
             + (" (the first ones compile)" if compile_config is not None and r == 0 else "") + "…")
         rec = StepRecorder(device)
         out = generate_ids(model, random_prompts(1, prompt_tokens, vocab), top - prompt_tokens + 1,
-                           make_policy("beacon", budget=budget, **extra), compile_config, on_step=rec)
+                           make_policy("beacon", budget=budget, **(settings or {})), compile_config, on_step=rec)
         capacity_b = out.stats.cache_capacity
         steps = rec.step_seconds()  # steps[i] wrote position prompt_tokens + i + 1: context prompt_tokens + i + 2
         best = steps if best is None else [min(a, b) for a, b in zip(best, steps)]

@@ -6,6 +6,7 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ...execution import CompileConfig
 from ...models.decoder import CausalLM
@@ -57,7 +58,7 @@ class PolicyRow:
 def measure_policies(
     model: CausalLM, names: Sequence[str], budget: int, batch: int, prompt_tokens: int, cycles: int,
     compile_config: CompileConfig | None, repeats: int, log: Callable[[str], None] = print,
-    n_recent: int | None = None,
+    settings: dict[str, dict[str, Any]] | None = None,
 ) -> list[PolicyRow]:
     """Section 4: KV bytes, peak memory, steady-state ms/step and eviction share per policy.
 
@@ -65,9 +66,9 @@ def measure_policies(
     (and compiles), and then ``cycles`` whole eviction cycles (``budget - B_min`` steps each) are
     timed — FullKV times the same steps. Peak memory: CUDA peak allocated over the whole run; on CPU
     the peak resident memory over the timed steps (the in-process compiler's memory would swamp the
-    rest). The best of ``repeats`` runs counts. ``n_recent`` goes to every evicting policy (None:
-    their default, 16, which needs ``budget >= 128``). Each policy is announced through ``log``
-    before it runs.
+    rest). The best of ``repeats`` runs counts. ``settings`` maps a policy to its arguments beyond
+    the budget (``n_recent``, ``--policy-arg``; None or absent: its defaults). Each policy is
+    announced through ``log`` before it runs.
     """
     device = model.device
     prompts = random_prompts(batch, prompt_tokens, model.config.vocab_size)
@@ -76,13 +77,13 @@ def measure_policies(
     new_tokens = first + cycles * gap + 1
     cpu_window = device.type != "cuda"
     rows = []
-    extra = {} if n_recent is None else {"n_recent": n_recent}
     for name in ["full", *[n for n in names if n != "full"]]:
         log(f"  {name}: {repeats} run(s) of {new_tokens} steps"
             + (" (the first run compiles)" if compile_config is not None else "") + "…")
         best: PolicyRow | None = None
         for _ in range(repeats):
-            policy = make_policy(name) if name == "full" else make_policy(name, budget=budget, **extra)
+            kwargs = (settings or {}).get(name, {})
+            policy = make_policy(name) if name == "full" else make_policy(name, budget=budget, **kwargs)
             mem = PeakMemory(device)
             rec = StepRecorder(device, (lambda j, m=mem: m.__enter__() if cpu_window and j == first - 1 else None))
             with contextlib.ExitStack() as stack:
