@@ -99,6 +99,9 @@ def test_demo_compiled_announces_the_compile_and_remembers_its_time(tiny_checkpo
     captured = capsys.readouterr()
     assert re.search(r"compiling the decode step \(once, ~\d+ s\)…", captured.err), captured.err
     assert "decode tokens/s (compiled, aot_eager)" in captured.out
+    assert re.search(r"\[decode step compiled in \d+ s\]", captured.err), captured.err
+    compile_row = re.search(r"compile seconds \(once\) +(\d+\.\d) +(\d+\.\d)", captured.out)
+    assert compile_row and all(float(x) > 0 for x in compile_row.groups()), captured.out  # apart from tokens/s
     times = json.loads((tmp_path / "demo-compile-times.json").read_text())
     assert any(k.startswith("decode ") for k in times) and all(v >= 0 for v in times.values())
     estimate = cli.compile_estimate(cli.build_parser().parse_args(argv), "decode")
@@ -120,7 +123,8 @@ def test_generate_threads_and_compile_parse_and_work(tiny_checkpoint, capsys, re
                "--ignore-eos", "--threads", "1", "--compile", "--compile-backend", "aot_eager"])
     err = capsys.readouterr().err
     assert rc == 0 and torch.get_num_threads() == 1
-    assert "new tokens [4]" in err and "compiled, aot_eager" in err
+    assert "new tokens [4]" in err and "compiled, aot_eager, compile time not counted" in err
+    assert float(re.search(r"compile (\d+\.\d+)s", err).group(1)) > 0, err
 
 
 def test_generate_compile_is_off_by_default():
