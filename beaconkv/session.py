@@ -29,7 +29,7 @@ from torch import Tensor
 from .cache import KVCache
 from .execution import CompileConfig, make_executor, resolve_compile_config
 from .models.cpu_linear import choose_kernels
-from .models.decoder import CausalLM, decode_layer
+from .models.decoder import CausalLM, decode_layers
 from .policies.base import EvictionPolicy, FullKV
 from .sampling import RowSampling, sample_rows
 from .storage import KVStorage
@@ -260,16 +260,18 @@ class Session:
 
     @property
     def _by_layer(self) -> bool:
-        """Whether the compiled decode step runs as one graph per piece (inputs, each layer, logits): one
-        layer's graph compiled once serves every layer (:attr:`~beaconkv.execution.CompileConfig.layerwise`)."""
+        """Whether the compiled decode step runs as one graph per piece (inputs, each block of layers, logits):
+        one block's graph compiled once serves every block (:attr:`~beaconkv.execution.CompileConfig.layerwise`)."""
         return self.decoder.compiled and self.decoder.layerwise
 
     def _run_layers(self, tokens: Tensor) -> Tensor:
         """The inputs and every layer of a layer-by-layer decode step; returns the last hidden states."""
-        run = self.decoder.run
+        run, layers = self.decoder.run, tuple(self.model.model.layers)
         x, positions, rotary = run(decode_inputs, self.model, tokens, self.positions)
-        for i, layer in enumerate(self.model.model.layers):
-            x = run(decode_layer, layer, x, positions, rotary, self.cache[i])
+        k = self.decoder.config.block_size(len(layers))
+        for i in range(0, len(layers), k):
+            block = range(i, min(i + k, len(layers)))
+            x = run(decode_layers, layers[i:i + k], x, positions, rotary, tuple(self.cache[j] for j in block))
         return x
 
     def after_step(self) -> None:

@@ -222,7 +222,8 @@ def test_compile_argument_and_options():
         resolve_compile_config("yes")
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     plain = CompileConfig(cpu_gemv=False)
-    assert plain.options(cpu) == {"fullgraph": True, "backend": "inductor", "dynamic": None, "mode": None}
+    assert plain.options(cpu) == {"fullgraph": True, "backend": "inductor", "dynamic": None, "mode": None,
+                                  "recompile_limit": compiled_module.RECOMPILE_LIMIT}
     assert CompileConfig().options(cpu)["options"] == {"post_grad_fusion_options": {"decompose_mm_pass": CPU_GEMV_LIMITS}}
     assert CompileConfig().options(cuda)["mode"] == "reduce-overhead" and CompileConfig().cuda_graphs(cuda)
     assert plain.options(cuda) == CompileConfig().options(cuda)
@@ -430,30 +431,48 @@ def test_parity_with_transformers_eager_and_compiled(tiny_models, kind, device):
         hf.to("cpu")  # the fixture's model is shared with CPU tests
 
 
-def test_one_decode_layer_graph_serves_every_layer_and_compile_time_is_counted_apart(tiny_models):
-    """The layer-by-layer decode step compiles one decoder layer's graph and calls it for every layer;
+def test_one_decode_graph_serves_every_block_of_layers_and_compile_time_is_counted_apart(tiny_models):
+    """The layer-by-layer decode step compiles one block's graph and calls it for every block of layers;
     the seconds it took are in ``stats.compile_s`` (not in ``tokens_per_s``), and a second call compiles nothing."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from beaconkv.models.decoder import decode_layer
+    from beaconkv.models.decoder import decode_layers
     from beaconkv.models.layers import SwiGLUMLP
 
-    class FreshMLP(SwiGLUMLP):  # a new module type: no decode_layer graph compiled for it yet
+    class FreshMLP(SwiGLUMLP):  # a new module type: no decode_layers graph compiled for it yet
         pass
 
     model = beaconkv.load_model(tiny_models["llama"][0], mlp=lambda c: FreshMLP(c.hidden_size, c.intermediate_size))
-    before = len(_debug_get_cache_entry_list(decode_layer.__code__))
-    first = beaconkv.generate(model, None, _prompts(), max_new_tokens=12, eos_token_ids=[], compile=TRACE)
-    assert model.config.num_hidden_layers == 2
-    assert len(_debug_get_cache_entry_list(decode_layer.__code__)) == before + 1
+    one_layer = TRACE  # the default block: one layer, so the tiny model's 2 layers are two blocks
+    calls = []
+    before = len(_debug_get_cache_entry_list(decode_layers.__code__))
+    first = beaconkv.generate(model, None, _prompts(), max_new_tokens=12, eos_token_ids=[], compile=one_layer,
+                              on_step=lambda step, session: calls.append(session.decoder.calls["decode_layers"]))
+    assert model.config.num_hidden_layers == 2 and calls[1] - calls[0] == 2  # a graph call per layer, every step
+    assert len(_debug_get_cache_entry_list(decode_layers.__code__)) == before + 1  # one graph for both layers
     assert first.stats.compile_s > 0 and first.stats.compile_s < first.stats.wall_time_s
     decode_s = first.stats.wall_time_s - first.stats.prefill_s - first.stats.compile_s
     assert first.stats.tokens_per_s == pytest.approx(sum(first.stats.new_tokens) / decode_s)
-    again = beaconkv.generate(model, None, _prompts(), max_new_tokens=12, eos_token_ids=[], compile=TRACE)
+    again = beaconkv.generate(model, None, _prompts(), max_new_tokens=12, eos_token_ids=[], compile=one_layer)
     assert again.stats.compile_s == 0 and again.token_ids == first.token_ids
-    assert len(_debug_get_cache_entry_list(decode_layer.__code__)) == before + 1
+    assert len(_debug_get_cache_entry_list(decode_layers.__code__)) == before + 1
+    both = beaconkv.generate(model, None, _prompts(), max_new_tokens=12, eos_token_ids=[],
+                             compile=dataclasses.replace(TRACE, layer_block=2))  # one block of both layers
+    assert both.token_ids == first.token_ids and both.stats.compile_s > 0
     eager = beaconkv.generate(model, None, _prompts(), max_new_tokens=12, eos_token_ids=[])
     assert eager.stats.compile_s == 0 and eager.token_ids == first.token_ids
+
+
+def test_layer_blocks_divide_the_layers_so_one_graph_serves_every_block():
+    assert [CompileConfig().block_size(n) for n in (1, 2, 30)] == [1, 1, 1]  # the default: a graph per layer
+    three = CompileConfig(layer_block=3)
+    assert [three.block_size(n) for n in (1, 2, 7, 28, 30, 32, 36)] == [1, 2, 1, 2, 3, 2, 3]
+    for k in (2, 4, 5):
+        assert all(1 <= CompileConfig(layer_block=k).block_size(n) <= k and n % CompileConfig(layer_block=k).block_size(n)
+                   == 0 for n in range(1, 80))
+    for bad in (0, -1, 1.5, True, None):
+        with pytest.raises(ValueError, match="layer_block"):
+            CompileConfig(layer_block=bad)
 
 
 def test_a_recompile_is_announced_with_its_reason_and_counted():
@@ -479,10 +498,10 @@ def test_only_functions_marked_never_aliasing_drop_the_aliasing_guard_and_only_t
     from types import SimpleNamespace
 
     from beaconkv.execution.compiled import _without_aliasing_guards, inputs_never_alias
-    from beaconkv.models.decoder import decode_layer
+    from beaconkv.models.decoder import decode_layers
 
     cpu = torch.device("cpu")
-    marked = CompileConfig(backend="aot_eager").options(cpu, decode_layer)
+    marked = CompileConfig(backend="aot_eager").options(cpu, decode_layers)
     assert marked["options"]["guard_filter_fn"] is _without_aliasing_guards
 
     def plain(x):
@@ -490,8 +509,24 @@ def test_only_functions_marked_never_aliasing_drop_the_aliasing_guard_and_only_t
 
     assert "guard_filter_fn" not in CompileConfig().options(cpu, plain).get("options", {})
     assert "guard_filter_fn" not in CompileConfig().options(cpu).get("options", {})
-    assert CompileConfig().options(cpu, decode_layer)["options"]["guard_filter_fn"] is _without_aliasing_guards
+    assert CompileConfig().options(cpu, decode_layers)["options"]["guard_filter_fn"] is _without_aliasing_guards
     kinds = ["TENSOR_MATCH", "NO_TENSOR_ALIASING", "TYPE_MATCH", "ID_MATCH"]
     assert _without_aliasing_guards([SimpleNamespace(guard_type=k) for k in kinds]) == [True, False, True, True]
 
     assert inputs_never_alias(plain) is plain and CompileConfig(backend="eager").options(cpu, plain)["options"]
+
+
+def test_a_function_past_the_recompile_limit_raises_instead_of_running_eagerly(monkeypatch):
+    from beaconkv.execution.compiled import CompiledExecutor, RecompileWarning
+
+    monkeypatch.setattr(compiled_module, "RECOMPILE_LIMIT", 2)
+
+    def shift_rows(x):
+        return x + 1
+
+    executor = CompiledExecutor(CompileConfig(backend="eager", dynamic=False), "cpu")
+    with pytest.warns(RecompileWarning):
+        for n in (1, 2):
+            executor.run(shift_rows, torch.ones(n))
+    with pytest.raises(CompileError, match="(?s)failed on .*shift_rows.*compile=False"):
+        executor.run(shift_rows, torch.ones(3))  # a third graph

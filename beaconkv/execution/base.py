@@ -20,6 +20,7 @@ class Executor:
             every layer) rather than as one whole-model call.
         calls: How many times each function (by qualified name) ran.
         compile_s: Wall seconds of the calls that compiled a graph (0 when nothing compiles).
+        compile_seconds: The same seconds by function (qualified name).
         compiles: Graphs compiled by this executor's calls (recompiles included).
     """
 
@@ -29,6 +30,7 @@ class Executor:
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
         self.compile_s = 0.0
+        self.compile_seconds: Counter[str] = Counter()
         self.compiles = 0
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:

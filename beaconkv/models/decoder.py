@@ -14,6 +14,7 @@ handed to every layer.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -158,7 +159,7 @@ class CausalLM(nn.Module):
     def decode_step(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
         """One decode step for the whole batch: static shapes, in-place cache writes.
 
-        It is :meth:`decode_inputs`, :func:`decode_layer` for every layer, then :meth:`decode_logits`:
+        It is :meth:`decode_inputs`, :func:`decode_layers` over the layers, then :meth:`decode_logits`:
         the three pieces a layer-by-layer compiled step runs as separate graphs.
 
         Args:
@@ -170,8 +171,7 @@ class CausalLM(nn.Module):
             ``(batch, vocab)`` float32 logits.
         """
         x, positions_2d, rotary = self.decode_inputs(tokens, positions)
-        for i, layer in enumerate(self.model.layers):
-            x = decode_layer(layer, x, positions_2d, rotary, cache[i])
+        x = decode_layers(tuple(self.model.layers), x, positions_2d, rotary, tuple(cache[i] for i in range(len(cache))))
         return self.decode_logits(x)
 
     def decode_inputs(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Rotary]:
@@ -186,12 +186,17 @@ class CausalLM(nn.Module):
 
 
 @inputs_never_alias
-def decode_layer(layer: nn.Module, x: Tensor, positions: Tensor, rotary: Rotary, cache) -> Tensor:
-    """One decoder layer of a decode step (see :meth:`CausalLM.decode_step`): appends to and attends over
-    ``cache``, the layer's own cache. Every layer runs the same code with the same shapes, so a compiled
-    step compiles this once and calls it for every layer. Its tensors (one layer's weights, one layer's
-    cache buffers, the step's activations) are separate allocations: they never alias."""
-    return layer(x, positions, rotary, None, cache, True)
+def decode_layers(layers: tuple[nn.Module, ...], x: Tensor, positions: Tensor, rotary: Rotary,
+                  caches: tuple[Any, ...]) -> Tensor:
+    """Consecutive decoder layers of a decode step (see :meth:`CausalLM.decode_step`), each appending to and
+    attending over its own layer's cache in ``caches``.
+
+    Every layer runs the same code with the same shapes, so a compiled step compiles this once for a
+    block of layers and calls it for every block. Its tensors (the layers' weights, their cache buffers,
+    the step's activations) are separate allocations: they never alias."""
+    for layer, cache in zip(layers, caches):
+        x = layer(x, positions, rotary, None, cache, True)
+    return x
 
 
 #: ``rope=`` of :func:`build_model`: a rotary module, or a function of the config that makes one.
