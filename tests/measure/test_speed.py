@@ -250,6 +250,7 @@ def test_compile_section_child_measures_a_real_compiled_call(tiny_models, capsys
     row = compile_time.CompileRow(**json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     assert row.run == "cold" and row.shape == "layerwise" and row.policy == "beacon" and row.second_policy == "snapkv"
     assert 0 < row.compile_s < row.first_call_s and row.ms_per_step > 0 and row.second_compile_s > 0
+    assert 0 < row.decode_compile_s < row.compile_s  # beacon's eviction and query sampling compiled too
 
 
 def test_compile_section_runs_cold_rerun_then_alternating_speed_runs(monkeypatch):
@@ -262,7 +263,7 @@ def test_compile_section_runs_cold_rerun_then_alternating_speed_runs(monkeypatch
         compile_s = {"cold": 30.0, "rerun": 5.0, "speed": 4.0}[spec["run"]]
         ms = 50.0 + len(seen) + (10 if spec["shape"] == "whole" else 0)
         return compile_time.CompileRow(spec["run"], spec["shape"], spec["policy"], compile_s, compile_s + 3, ms,
-                                       spec.get("second"), 12.0 if spec.get("second") else None)
+                                       spec.get("second"), 12.0 if spec.get("second") else None, compile_s / 2)
 
     monkeypatch.setattr(compile_time, "_measure", fake_measure)
     args = argparse.Namespace(compile_policies="beacon,snapkv", compile_shapes="layerwise,whole", compile_budget=64,
@@ -278,4 +279,4 @@ def test_compile_section_runs_cold_rerun_then_alternating_speed_runs(monkeypatch
     assert lw["first_compile_s"] == 30.0 and lw["rerun_compile_s"] == 5.0 and lw["second_policy_compile_s"] == 12.0
     assert lw["speed_runs"] == 4 and lw["ms_per_step_min"] == 51.0
     table = compile_time.markdown_compile(result)
-    assert "| layerwise | 30.0 | 33.0 | 12.0 | 5.0 |" in table and "| whole |" in table
+    assert "| layerwise | 30.0 (15.0) | 33.0 | 12.0 | 5.0 |" in table and "| whole |" in table
