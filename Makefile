@@ -19,8 +19,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/beaconkv demo
 
+# Two pytest workers (pytest-xdist), one per core of the 2-core box the suite is sized for; each test file
+# stays in one worker (its module fixtures and compiled graphs are built once). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(VENV)/bin/beaconkv bench
