@@ -260,19 +260,24 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, http):
             tokens += line.startswith("data: ") and '"content":"' in line and '"content":""' not in line
         assert metrics(http)["beaconkv_requests_running"] == 1
     # the connection is closed: the request is cancelled and its slot frees within a step or two,
-    # long before its 64 tokens would have been generated
-    assert wait_for(lambda: metrics(http)["beaconkv_requests_running"] == 0, timeout=3.0)
+    # long before its 64 tokens would have been generated. The engine thread frees the slot, then counts
+    # the finish: wait for both (a scrape between the two sees one without the other)
+    cancelled = 'beaconkv_requests_finished_total{finish_reason="cancelled"}'
+
+    def cancelled_and_freed(count: float) -> bool:
+        now = metrics(http)
+        return now["beaconkv_requests_running"] == 0 and now[cancelled] >= count
+
+    assert wait_for(lambda: cancelled_and_freed(before[cancelled] + 1), timeout=3.0)
     after = metrics(http)
-    assert after['beaconkv_requests_finished_total{finish_reason="cancelled"}'] == \
-        before['beaconkv_requests_finished_total{finish_reason="cancelled"}'] + 1
+    assert after[cancelled] == before[cancelled] + 1 and after["beaconkv_requests_running"] == 0
     assert after["beaconkv_slots_used"] == 0
 
     # a non-streamed call whose client gives up (a timeout) is cancelled too: the route watches the connection
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=1.0)
-    assert wait_for(lambda: metrics(http)["beaconkv_requests_running"] == 0, timeout=3.0)
-    assert metrics(http)['beaconkv_requests_finished_total{finish_reason="cancelled"}'] == \
-        after['beaconkv_requests_finished_total{finish_reason="cancelled"}'] + 1
+    assert wait_for(lambda: cancelled_and_freed(after[cancelled] + 1), timeout=3.0)
+    assert metrics(http)[cancelled] == after[cancelled] + 1
 
 
 def test_metrics_names_and_counters_grow(client, http):
