@@ -74,28 +74,26 @@ def int_or_auto(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from err
 
 
-def positive_int(text: str) -> int:
-    """An int >= 1 (an argparse type)."""
+def _int_at_least(text: str, minimum: int, also: str = "") -> int:
+    """``text`` as an int >= ``minimum``, else an argparse error naming what was expected (``also``: other words taken)."""
+    expected = f"expected an integer >= {minimum}{also}"
     try:
         value = int(text)
     except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from err
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from err
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{expected}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1 (an argparse type)."""
+    return _int_at_least(text, 1)
 
 
 def recent_count(text: str) -> int | None:
     """``--n-recent``: an int >= 0, or ``auto`` for None (an argparse type)."""
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {text!r}") from err
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {value}")
-    return value
+    return None if text.strip().lower() == "auto" else _int_at_least(text, 0, " or 'auto'")
 
 
 def key_value(text: str) -> tuple[str, str]:

@@ -272,6 +272,10 @@ def _frames_compiled() -> int:
     return _COMPILES[0]
 
 
+_FAILURES_SEEN: dict[Callable[..., Any], int] = {}
+"""Dynamo's recompile reasons per function as last read (after each compile through an executor)."""
+
+
 def _guard_failures(fn: Callable[..., Any]) -> list[str]:
     """Why dynamo could not reuse the graphs of ``fn`` it had, one entry per recompile (dynamo's record)."""
     from torch._dynamo.utils import guard_failures
@@ -330,7 +334,7 @@ class CompiledExecutor(Executor):
         self.calls[fn.__qualname__] += 1
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        frames, failures = _frames_compiled(), len(_guard_failures(fn))
+        frames = _frames_compiled()
         t0 = time.perf_counter()
         with compile_guard(fn, args):
             out = compiled(fn, self.config, self.device)(*args)
@@ -339,8 +343,10 @@ class CompiledExecutor(Executor):
             self.compile_s += seconds
             self.compile_seconds[fn.__qualname__] += seconds
             self.compiles += 1
-            if len(_guard_failures(fn)) > failures:  # not its first graph: say why another was needed
+            failures = len(_guard_failures(fn))  # read only after a compile: nothing extra on the hot path
+            if failures > _FAILURES_SEEN.get(fn, 0):  # not its first graph: say why another was needed
                 _announce_recompile(fn)
+            _FAILURES_SEEN[fn] = failures
         if self.cuda_graphs:  # a CUDA-graph output is overwritten by the next replay
             out = tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, out)
         return out
