@@ -554,7 +554,7 @@ def test_health_answers_within_a_second_while_a_large_request_is_handled(server,
     tokenized, while /health keeps answering; the server's memory comes back near where it was."""
     rss = _rss_mb(server.proc.pid)
     huge = {"model": NAME, "prompt": "hello world " * 300_000, "max_tokens": 4}
-    latencies, done = [], threading.Event()
+    latencies, done, probing = [], threading.Event(), threading.Event()
 
     def probe():
         with httpx.Client(base_url=server.url, timeout=5) as c:
@@ -562,10 +562,12 @@ def test_health_answers_within_a_second_while_a_large_request_is_handled(server,
                 t0 = time.perf_counter()
                 assert c.get("/health").status_code == 200
                 latencies.append(time.perf_counter() - t0)
+                probing.set()
                 time.sleep(0.02)
 
     prober = threading.Thread(target=probe)
     prober.start()
+    assert probing.wait(10)  # probing before the request is sent: a refusal faster than one probe still has one
     try:
         with httpx.Client(base_url=server.url, timeout=60) as c:
             t0 = time.perf_counter()
