@@ -38,10 +38,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from .errors import BeaconKVError
 from .storage import KVStorage, make_storage
 
 
-class CacheCapacityError(ValueError):
+class CacheCapacityError(BeaconKVError, ValueError):
     """A write would exceed the cache's fixed capacity."""
 
 

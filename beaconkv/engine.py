@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from .detokenize import IncrementalDetokenizer
+from .errors import BeaconKVError
 from .execution import CompileConfig
 from .models.decoder import CausalLM
 from .policies.base import EvictionPolicy, FullKV
@@ -66,11 +67,11 @@ MAX_STOP_CHARS = 1024
 """Longest stop string, in characters."""
 
 
-class EngineError(ValueError):
+class EngineError(BeaconKVError, ValueError):
     """A request the engine cannot take (a prompt longer than a slot holds, bad parameters)."""
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(BeaconKVError, RuntimeError):
     """The waiting queue is at its limit; retry later.
 
     Attributes:

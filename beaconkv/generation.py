@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from .engine import Engine, EngineError, Event, Request
+from .errors import BeaconKVError
 from .execution import CompileConfig
 from .models.decoder import CausalLM
 from .policies.base import EvictionPolicy, FullKV
-from .policies.registry import make_policy
+from .policies.config import PolicyConfigError
 from .policies.state import EvictionRecord, PolicyState
 from .sampling import SamplingParams
 from .session import Session
@@ -42,7 +43,7 @@ StreamCallback = Callable[[int, int, str], None]
 Conversation = Sequence[Mapping[str, Any]]
 
 
-class PromptError(ValueError):
+class PromptError(BeaconKVError, ValueError):
     """A prompt is empty, malformed or too long for the model or the cache."""
 
 
@@ -181,21 +182,23 @@ def _token_id(t: Any) -> int:
     return int(t)
 
 
-def resolve_policy(policy: EvictionPolicy | str | None, policy_args: Mapping[str, Any] | None = None) -> EvictionPolicy:
-    """A policy object from ``generate``'s ``policy`` argument: an object, a registry name, or None (FullKV).
+def resolve_policy(policy: EvictionPolicy | None) -> EvictionPolicy:
+    """A policy object from ``generate``'s ``policy`` argument: a policy object, or None (FullKV).
 
     Raises:
-        beaconkv.policies.PolicyConfigError: Unknown name or settings.
-        TypeError: ``policy`` is none of these, or ``policy_args`` come with a policy object.
+        beaconkv.policies.PolicyConfigError: ``policy`` is anything else; a registry name is refused
+            with the call that builds it (names go through :func:`~beaconkv.policies.make_policy`).
     """
-    if isinstance(policy, str):
-        return make_policy(policy, **dict(policy_args or {}))
-    if policy_args:
-        raise TypeError("policy_args go with a policy name (policy='beacon'); a policy object carries its settings.")
     if policy is None:
         return FullKV()
+    if isinstance(policy, str):
+        raise PolicyConfigError(
+            f"policy={policy!r} is a name; build the policy first: "
+            f"policy=beaconkv.make_policy({policy!r}, budget=1024), or from its class, e.g. beaconkv.BeaconKV(budget=1024)."
+        )
     if not isinstance(policy, EvictionPolicy):
-        raise TypeError(f"policy={policy!r} must be an EvictionPolicy, a registry name or None.")
+        raise PolicyConfigError(f"policy={policy!r} must be an EvictionPolicy (e.g. beaconkv.BeaconKV(budget=1024)) "
+                                "or None (keep everything).")
     return policy
 
 
@@ -213,12 +216,13 @@ def generate(
     model: CausalLM,
     tokenizer: Tokenizer | None,
     prompts: Sequence[str] | Sequence[Sequence[int]] | str | Conversation | Sequence[Conversation],
+    *,
     max_new_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int | None = None,
-    policy: EvictionPolicy | str | None = None,
+    policy: EvictionPolicy | None = None,
     stream: StreamCallback | None = None,
     chat: bool = False,
     eos_token_ids: Sequence[int] | None = None,
@@ -227,7 +231,6 @@ def generate(
     compile: bool | CompileConfig = False,
     capacity_tokens: int | None = None,
     kv_storage: str | type[KVStorage] = "dense",
-    policy_args: Mapping[str, Any] | None = None,
     on_step: Callable[[int, Session], None] | None = None,
     max_batch: int | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -247,9 +250,10 @@ def generate(
         top_k: Keep only the k most likely tokens (0 = off).
         seed: Seeds the sampling: prompt ``i`` draws from its own generator seeded ``seed + i``, so its
             tokens do not depend on the other prompts (None: seeds 0, 1, ...).
-        policy: KV-cache eviction policy, or its registry name (``"beacon"``; settings in
-            ``policy_args``); None keeps everything (:class:`~beaconkv.policies.FullKV`). A policy
-            object holds settings only: one may serve any number of calls.
+        policy: KV-cache eviction policy, from its class (``beaconkv.BeaconKV(budget=1024)``) or its
+            registry name (``beaconkv.make_policy("beacon", budget=1024)``); None keeps everything
+            (:class:`~beaconkv.policies.FullKV`). A policy object holds settings only: one may serve
+            any number of calls.
         stream: Called as ``stream(i, token_id, text_delta)`` for each new token of sequence ``i``;
             the text is detokenised incrementally.
         chat: Wrap text prompts in the tokenizer's chat template as a single user turn.
@@ -267,7 +271,6 @@ def generate(
             (benchmarks measure a long generation's memory and step time this way).
         kv_storage: How the cache holds keys and values: ``"dense"`` (default) or ``"int8"`` (per-token,
             per-KV-head scales; see :mod:`beaconkv.storage`), or a :class:`~beaconkv.storage.KVStorage` class.
-        policy_args: Settings of a policy given by name (``{"budget": 128, "n_beacon": 8}``).
         on_step: Called as ``on_step(step, session)`` after every decode step, once the policy's work
             (evictions included) is done — a public hook for measurement (see
             :class:`beaconkv.measure.speed.timing.StepRecorder`).
@@ -286,14 +289,15 @@ def generate(
         PromptError: Empty or malformed prompt, or a prompt longer than the model's maximum positions.
         ValueError: Bad sampling parameters, a non-int or non-positive ``max_new_tokens``/``max_batch``,
             ``capacity_tokens < max_new_tokens``, or a token id outside the vocabulary.
-        beaconkv.policies.PolicyConfigError: An unknown policy name or bad settings.
+        beaconkv.policies.PolicyConfigError: ``policy`` is not a policy object (a name must go through
+            :func:`~beaconkv.policies.make_policy`).
         beaconkv.CompileError: ``compile`` was asked for and ``torch.compile`` is unavailable or
             failed (there is no silent fallback to eager).
     """
     t_start = time.perf_counter()
     _check_count("max_new_tokens", max_new_tokens)
     params = SamplingParams(temperature, top_p, top_k)
-    policy = resolve_policy(policy, policy_args)
+    policy = resolve_policy(policy)
     ids = encode_prompts(tokenizer, prompts, chat, chat_template_kwargs)
     if max_batch is not None:
         _check_count("max_batch", max_batch)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .errors import BeaconKVError
+
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 """The largest float32 (about 3.4e38): the largest temperature a row can hold."""
 INT64_MAX = 2**63 - 1
@@ -44,7 +46,7 @@ MAX_LOGPROBS = 20
 _TOP_P_FLOOR = 1e-38  # a top_p that rounds to 0 in float32 would drop even the most likely token
 
 
-class SamplingError(ValueError):
+class SamplingError(BeaconKVError, ValueError):
     """A sampling parameter outside what the sampler takes.
 
     Args:

@@ -21,7 +21,8 @@ from beaconkv.execution import CPU_GEMV_LIMITS, CompileConfig, CompileError, lif
 from beaconkv.execution import compiled as compiled_module
 from beaconkv.execution.compiled import resolve_compile_config
 from beaconkv.execution.sync import HostSyncError, no_host_sync
-from beaconkv.policies import BeaconKV, EvictionPolicy, PolicyState, SnapKV, make_policy, select_keep
+from beaconkv.policies import BeaconKV, EvictionPolicy, PolicyState, SnapKV, make_policy
+from beaconkv.policies.selection import select_keep
 from beaconkv.policies.beacon import _select_queries
 from beaconkv.policies.registry import policy_names, policy_parameters
 from beaconkv.sampling import RowSampling, SamplingParams
@@ -61,7 +62,7 @@ def _kept(out):
     return [(r.step, r.layer, r.rows, r.kept_positions.tolist()) for r in out.telemetry]
 
 
-@pytest.mark.parametrize("name", ["full", "beacon"])
+@pytest.mark.parametrize("name", [pytest.param("full", marks=pytest.mark.long), "beacon"])
 def test_inductor_greedy_tokens_equal_eager(llama, name):
     policy = None if name == "full" else BeaconKV(BUDGET, telemetry=True)
     eager, compiled = _both(llama, policy, CompileConfig())
@@ -104,7 +105,7 @@ class DecayedAttention(EvictionPolicy):
         return running[rows] / state.observed[rows].clamp(min=1)[:, None, None]
 
 
-@pytest.mark.parametrize("config", [CompileConfig(), TRACE], ids=["inductor", "aot_eager"])
+@pytest.mark.parametrize("config", [pytest.param(CompileConfig(), marks=pytest.mark.long), TRACE], ids=["inductor", "aot_eager"])
 def test_a_user_policy_with_its_own_state_compiles_with_no_extra_code(llama, config):
     policy = DecayedAttention(BUDGET, telemetry=True)
     eager, compiled = _both(llama, policy, config)
@@ -162,6 +163,7 @@ def test_nothing_is_patched_onto_the_policy(llama):
     assert set(vars(policy)) == {f.name for f in dataclasses.fields(BeaconKV)}
 
 
+@pytest.mark.long
 def test_beacon_maintenance_sampler_call_is_one_graph_for_all_layers(llama):
     """Compression, freeze and roll sample every layer in one compiled call; an override stays the user's."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list

@@ -150,7 +150,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("page", EXECUTED_PAGES)
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.long) if p == "guides/custom-stack.md" else p
+                                  for p in EXECUTED_PAGES])
 def test_page_code_runs(page: str, tmp_path, monkeypatch, one_thread) -> None:
     blocks = fenced_blocks(DOCS / page, "python")
     monkeypatch.chdir(tmp_path)  # blocks that write files write them here

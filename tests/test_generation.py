@@ -109,11 +109,23 @@ def test_non_finite_sampling_parameters_are_rejected(llama, name, value):
         beaconkv.generate(llama, None, [[5, 6]], max_new_tokens=2, **{name: value})
 
 
-def test_policy_by_name_with_policy_args(llama):
-    out = beaconkv.generate(llama, None, _prompts(2), max_new_tokens=150, eos_token_ids=[], policy="beacon",
-                            policy_args={"budget": 128})
+def test_a_policy_by_name_comes_from_the_registry(llama):
+    out = beaconkv.generate(llama, None, _prompts(2), max_new_tokens=150, eos_token_ids=[],
+                            policy=beaconkv.make_policy("beacon", budget=128))
     assert isinstance(out.policy, BeaconKV) and out.policy.budget == 128 and out.policy.n_recent == 16
     assert out.stats.cache_capacity == 12 + 128 and all(n > 0 for n in out.stats.evictions)
+
+
+@pytest.mark.parametrize("policy", ["beacon", 128, BeaconKV])
+def test_generate_refuses_anything_but_a_policy_object_and_names_the_call(llama, policy):
+    with pytest.raises(beaconkv.PolicyConfigError, match="must be an EvictionPolicy|build the policy first") as info:
+        beaconkv.generate(llama, None, [[5, 6]], max_new_tokens=2, policy=policy)
+    assert "beaconkv." in str(info.value)
+
+
+def test_generate_takes_its_options_by_keyword_only(llama):
+    with pytest.raises(TypeError, match="positional"):
+        beaconkv.generate(llama, None, [[5, 6]], 2)
 
 
 def test_bfloat16_cache_under_a_float32_model(llama):

@@ -38,13 +38,17 @@ GOLDEN = json.loads(FIXTURE.read_text())
 #: FullKV takes no policy settings, so its run is the same in every case: run once (the fixture's two
 #: records of it are checked equal below).
 RUNS = [(case, name) for case in CASES for name in POLICIES if name != "full" or case == next(iter(CASES))]
+#: The ragged case (an int prefix) of every policy runs in ``make test-long`` (and CI); ``make test``
+#: runs the first case of every policy.
+RUN_PARAMS = [pytest.param(case, name, marks=pytest.mark.long) if case != next(iter(CASES)) else (case, name)
+              for case, name in RUNS]
 
 
 def test_fullkv_is_recorded_alike_in_every_case():
     assert len({json.dumps(GOLDEN[f"{case}/full"], sort_keys=True) for case in CASES}) == 1
 
 
-@pytest.mark.parametrize(("case", "name"), RUNS)
+@pytest.mark.parametrize(("case", "name"), RUN_PARAMS)
 def test_tokens_and_kept_positions_equal_the_recorded_run(embedded, case, name):
     model, tok = embedded
     want = GOLDEN[f"{case}/{name}"]
@@ -60,6 +64,7 @@ def test_tokens_and_kept_positions_equal_the_recorded_run(embedded, case, name):
     assert digest(records) == want["kept_digest"]
 
 
+@pytest.mark.long
 def test_the_tie_rule_changes_only_rows_with_duplicate_candidates(embedded):
     """With the default FPS tie rule every run keeps its tokens; BeaconKV's kept sets move only in the
     ragged run, where the roll's candidates (beacons ∪ recent) hold exact duplicates of the last prompt

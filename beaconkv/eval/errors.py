@@ -8,6 +8,8 @@ every one of them as a user error, in one line with exit status 2.
 
 from __future__ import annotations
 
+from beaconkv.errors import BeaconKVError
+
 __all__ = [
     "DatasetAccessError",
     "DatasetFormatError",
@@ -18,7 +20,7 @@ __all__ = [
 ]
 
 
-class EvalError(ValueError):
+class EvalError(BeaconKVError, ValueError):
     """Base class of every error raised by :mod:`beaconkv.eval`: wrong input, reported in one line."""
 
 

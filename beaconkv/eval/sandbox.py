@@ -97,6 +97,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from beaconkv.errors import BeaconKVError
+
 __all__ = [
     "SANDBOX_HOST_ID",
     "SandboxLimits",
@@ -148,7 +150,7 @@ _CONTAINMENTS = ("namespaces", "rlimits")
 _RLIMITS_OPT_IN = "SandboxLimits(containment='rlimits') (`beaconkv eval --sandbox rlimits`)"
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(BeaconKVError, RuntimeError):
     """The namespace containment asked for cannot start here; nothing ran.
 
     The message names the reason (the probe's error) and the explicit opt-in for the rlimits-only

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from ..errors import BeaconKVError
 from .base import EagerExecutor, Executor
 
 CPU_GEMV_LIMITS = {"cpu_max_other_dimension_decomposition": 1 << 20}
@@ -44,7 +45,7 @@ RECOMPILE_LIMIT = 64
 :class:`CompileError` is raised instead of dynamo's silent fallback to eager."""
 
 
-class CompileError(RuntimeError):
+class CompileError(BeaconKVError, RuntimeError):
     """``torch.compile`` is unavailable here or failed to compile a step; nothing fell back to eager."""
 
 

@@ -36,12 +36,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..errors import BeaconKVError
+
 __all__ = ["HostSyncError", "no_host_sync"]
 
 aten = torch.ops.aten
 
 
-class HostSyncError(RuntimeError):
+class HostSyncError(BeaconKVError, RuntimeError):
     """An operation inside :func:`no_host_sync` would make the host wait for the device."""
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..errors import BeaconKVError
+
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("bf16w_linear.cpp", "mixed_attention.cpp"))
 """The kernels' C++ sources, shipped with the package (with the header they share, ``csrc/avx2_bf16.h``)."""
 
@@ -26,7 +28,7 @@ _lock = threading.Lock()
 _status: dict[str, str | None] = {}
 
 
-class KernelBuildError(RuntimeError):
+class KernelBuildError(BeaconKVError, RuntimeError):
     """A CPU kernel cannot run here (see the message for why and what to use instead)."""
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import BeaconKVError
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 #: Upper bounds of the integer fields of a ``config.json``. Every real llama / qwen checkpoint is far
@@ -43,11 +45,11 @@ CONFIG_LIMITS: dict[str, int] = {
 MAX_CONFIG_BYTES = 16 << 20
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(BeaconKVError, ValueError):
     """The checkpoint's ``model_type`` (or one of its settings) is not supported by beaconkv."""
 
 
-class ConfigFileError(ValueError):
+class ConfigFileError(BeaconKVError, ValueError):
     """A checkpoint's ``config.json`` cannot be trusted: invalid JSON, not an object, a required key
     missing, a value of the wrong JSON type, or a value out of its range (see :data:`CONFIG_LIMITS`)."""
 

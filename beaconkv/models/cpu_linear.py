@@ -26,11 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..errors import BeaconKVError
 from .bf16w import BF16WLinear, bf16w_status
 from .decoder import CausalLM
 
 
-class PackingError(ValueError):
+class PackingError(BeaconKVError, ValueError):
     """Prepacking is not possible here (no oneDNN, or a device other than the CPU)."""
 
 

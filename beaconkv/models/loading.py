@@ -31,6 +31,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from ..errors import BeaconKVError
 from .attention import Attention
 from .config import ModelConfig
 from .decoder import CausalLM, RopeFactory, build_model, default_rope
@@ -46,11 +47,11 @@ _DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BeaconKVError, ValueError):
     """A checkpoint's files do not match the architecture, disagree with its config, or cannot be read."""
 
 
-class MetaTensorError(ValueError):
+class MetaTensorError(BeaconKVError, ValueError):
     """A tensor of a loaded model is still on the meta device: an injected component computed it from a
     parameter in its ``__init__``, before the checkpoint's values existed."""
 

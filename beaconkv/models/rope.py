@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .config import RopeConfig
+from .config import RopeConfig, UnsupportedModelError
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
@@ -32,7 +32,7 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[Tensor, f
         cos and sin are multiplied by (1.0 except for YaRN).
 
     Raises:
-        ValueError: A parameter the rope type needs is missing.
+        UnsupportedModelError: A parameter the rope type needs is missing.
     """
     dim = head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
@@ -47,7 +47,7 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[Tensor, f
             low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
             old_ctx = float(p["original_max_position_embeddings"])
         except KeyError as err:
-            raise ValueError(f"llama3 rope scaling needs {err.args[0]!r} in rope_scaling") from None
+            raise UnsupportedModelError(f"llama3 rope scaling needs {err.args[0]!r} in rope_scaling") from None
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old_ctx / low, inv_freq / rope.factor, inv_freq)
         smooth = (old_ctx / wavelen - low) / (high - low)
@@ -56,14 +56,14 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[Tensor, f
         return torch.where(medium, smoothed, scaled), 1.0
     if rope.rope_type == "yarn":
         return _yarn(rope, dim)
-    raise ValueError(f"rope_type={rope.rope_type!r} is unknown; use default, linear, llama3 or yarn.")
+    raise UnsupportedModelError(f"rope_type={rope.rope_type!r} is unknown; use default, linear, llama3 or yarn.")
 
 
 def _yarn(rope: RopeConfig, dim: int) -> tuple[Tensor, float]:
     """YaRN: blend interpolated and extrapolated frequencies over a ramp of dimensions."""
     p, factor, base = rope.params, rope.factor, rope.theta
     if "original_max_position_embeddings" not in p:
-        raise ValueError("yarn rope scaling needs 'original_max_position_embeddings' in rope_scaling")
+        raise UnsupportedModelError("yarn rope scaling needs 'original_max_position_embeddings' in rope_scaling")
     orig = float(p["original_max_position_embeddings"])
 
     def mscale(scale: float, m: float = 1.0) -> float:
@@ -118,7 +118,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rope: RopeConfig | None = None) -> None:
         super().__init__()
         if head_dim % 2:
-            raise ValueError(f"head_dim={head_dim} must be even for rotary embeddings.")
+            raise UnsupportedModelError(f"head_dim={head_dim} must be even for rotary embeddings.")
         self.head_dim = head_dim
         self.config = rope or RopeConfig()
         inv_freq, scaling = rope_inverse_frequencies(self.config, head_dim)

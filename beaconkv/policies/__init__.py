@@ -3,17 +3,18 @@
 Every policy subclasses :class:`EvictionPolicy` (a dataclass of settings) and returns per-slot
 scores; protection of the prefix and recent tokens, top-k and in-place compaction are shared. What a
 policy remembers while decoding lives in the :class:`PolicyState` it creates for a cache. Build one
-by class or by name with :func:`make_policy`.
+by class or by name with :func:`make_policy`. The building blocks of the shipped policies (the keep
+selection, BeaconKV's state, the query set) stay in their modules
+(:mod:`beaconkv.policies.selection`, :mod:`beaconkv.policies.beacon`, :mod:`beaconkv.policies.query_set`).
 """
 
 from .base import EvictionPolicy, FullKV
-from .beacon import BeaconKV, BeaconState, InitialRecent
+from .beacon import BeaconKV, InitialRecent
 from .config import PolicyConfigError
 from .event_beacon import EventBeaconKV
 from .group_beacon import GroupBeaconKV
 from .h2o import H2O
 from .memory_beacon import MemoryBeaconKV
-from .query_set import QuerySet
 from .registry import (
     make_policy,
     policy_class,
@@ -24,16 +25,19 @@ from .registry import (
 from .rkv import RKV
 from .rpc import RPC
 from .samplers import FPS, ContinualFPS, KMeans, NaiveFPS, QuerySampler
-from .selection import select_keep
 from .snapkv import SnapKV
 from .state import EvictionRecord, PolicyState, PolicyStats
 from .streaming import StreamingLLM
 from .window import RecentWindowPolicy
 
 __all__ = [
-    "BeaconKV", "BeaconState", "ContinualFPS", "EventBeaconKV", "EvictionPolicy", "EvictionRecord", "FPS", "FullKV",
-    "GroupBeaconKV", "H2O",
-    "InitialRecent", "KMeans", "MemoryBeaconKV", "NaiveFPS", "PolicyConfigError", "PolicyState", "PolicyStats", "QuerySampler",
-    "QuerySet", "RKV", "RPC", "RecentWindowPolicy", "SnapKV", "StreamingLLM", "make_policy", "policy_class",
-    "policy_names", "policy_parameters", "register_policy", "select_keep",
+    # the policies (every registered one)
+    "BeaconKV", "EventBeaconKV", "FullKV", "GroupBeaconKV", "H2O", "InitialRecent", "MemoryBeaconKV", "RKV", "RPC",
+    "SnapKV", "StreamingLLM",
+    # writing a policy: the base classes, its state and records, the query samplers
+    "ContinualFPS", "EvictionPolicy", "EvictionRecord", "FPS", "KMeans", "NaiveFPS", "PolicyState", "PolicyStats",
+    "QuerySampler", "RecentWindowPolicy",
+    # the registry: names -> policies
+    "make_policy", "policy_class", "policy_names", "policy_parameters", "register_policy",
+    "PolicyConfigError",
 ]

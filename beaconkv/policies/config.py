@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..errors import BeaconKVError
 
-class PolicyConfigError(ValueError):
+
+class PolicyConfigError(BeaconKVError, ValueError):
     """Inconsistent policy settings (budget, ratio, n_recent, n_prefix...)."""
 
 

@@ -28,6 +28,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .config import PolicyConfigError
+
 __all__ = [
     "SAMPLER_NAMES",
     "TIE_RTOL",
@@ -66,26 +68,26 @@ def _first_min(key: Tensor, tie_rtol: float) -> Tensor:
 
 
 def _check_inputs(points: Tensor, k: int, valid: Tensor | None) -> None:
-    """Raise ValueError when `points`, `k` or `valid` break the sampler contract."""
+    """Raise PolicyConfigError when `points`, `k` or `valid` break the sampler contract."""
     if isinstance(k, bool) or not isinstance(k, int):
-        raise ValueError(f"k must be an int, got {k!r} of type {type(k).__name__}")
+        raise PolicyConfigError(f"k must be an int, got {k!r} of type {type(k).__name__}")
     if k < 0:
-        raise ValueError(f"k must be >= 0, got k={k}")
+        raise PolicyConfigError(f"k must be >= 0, got k={k}")
     if points.ndim < 2:
-        raise ValueError(
+        raise PolicyConfigError(
             f"points must have shape (..., N, D) with at least 2 dims, got shape "
             f"{tuple(points.shape)}; add a point axis with points.unsqueeze(-2)"
         )
     n = points.shape[-2]
     if n == 0 and k > 0:
-        raise ValueError(f"cannot select k={k} points out of N=0 points; pass k=0")
+        raise PolicyConfigError(f"cannot select k={k} points out of N=0 points; pass k=0")
     if valid is not None:
         if valid.dtype != torch.bool:
-            raise ValueError(
+            raise PolicyConfigError(
                 f"valid must be a bool tensor, got dtype {valid.dtype}; pass mask.bool()"
             )
         if valid.shape != points.shape[:-1]:
-            raise ValueError(
+            raise PolicyConfigError(
                 f"valid must have shape points.shape[:-1] = {tuple(points.shape[:-1])}, "
                 f"got {tuple(valid.shape)}"
             )
@@ -161,7 +163,7 @@ def farthest_point_sampling(
         selected_valid: (..., k) bool, True where the slot holds a selected valid point.
 
     Raises:
-        ValueError: if k < 0, points has fewer than 2 dims, k > 0 with N == 0, or valid is not a
+        PolicyConfigError: if k < 0, points has fewer than 2 dims, k > 0 with N == 0, or valid is not a
             bool tensor of shape points.shape[:-1].
     """
     _check_inputs(points, k, valid)
@@ -260,7 +262,7 @@ class FPS(QuerySampler):
 
     def __post_init__(self) -> None:
         if isinstance(self.tie_rtol, bool) or not isinstance(self.tie_rtol, (int, float)) or not 0 <= self.tie_rtol < 1:
-            raise ValueError(f"tie_rtol={self.tie_rtol!r} must be a number in [0, 1) (default {TIE_RTOL}).")
+            raise PolicyConfigError(f"tie_rtol={self.tie_rtol!r} must be a number in [0, 1) (default {TIE_RTOL}).")
 
     def select(self, points: Tensor, k: int, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Select `k` points by farthest-point sampling; see `farthest_point_sampling`."""
@@ -318,9 +320,9 @@ class KMeans(QuerySampler):
 
     def __post_init__(self) -> None:
         if isinstance(self.n_iter, bool) or not isinstance(self.n_iter, int) or self.n_iter < 0:
-            raise ValueError(f"n_iter must be an int >= 0, got n_iter={self.n_iter!r}")
+            raise PolicyConfigError(f"n_iter must be an int >= 0, got n_iter={self.n_iter!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got seed={self.seed!r}")
+            raise PolicyConfigError(f"seed must be an int, got seed={self.seed!r}")
 
     def select(self, points: Tensor, k: int, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Select the real points nearest `k` spherical k-means centroids.
@@ -335,7 +337,7 @@ class KMeans(QuerySampler):
             `farthest_point_sampling`.
 
         Raises:
-            ValueError: on the same inputs as `farthest_point_sampling`.
+            PolicyConfigError: on the same inputs as `farthest_point_sampling`.
         """
         _check_inputs(points, k, valid)
         if k == 0:
@@ -429,11 +431,11 @@ def make_sampler(name: str, **options: Any) -> QuerySampler:
         A new sampler instance.
 
     Raises:
-        ValueError: if `name` is not a known sampler name.
+        PolicyConfigError: if `name` is not a known sampler name.
     """
     key = name.lower() if isinstance(name, str) else None
     if key not in _SAMPLERS:
-        raise ValueError(
+        raise PolicyConfigError(
             f"unknown sampler {name!r}; choose one of {', '.join(repr(n) for n in SAMPLER_NAMES)}"
         )
     return _SAMPLERS[key](**options)

@@ -16,6 +16,7 @@ from einops import rearrange
 from torch import Tensor
 
 from ..cache import LayerKVCache
+from .config import PolicyConfigError
 
 
 def last_queries(cache: LayerKVCache, rows: Tensor, t: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -88,7 +89,7 @@ def reduce_queries(weights: Tensor, q_mask: Tensor, how: str, temperature: float
     if how == "logsumexp":
         z = (weights / temperature).masked_fill(~m, -math.inf)
         return (temperature * torch.logsumexp(z, dim=3)).nan_to_num(0.0, neginf=0.0)
-    raise ValueError(f"aggregation={how!r} is unknown; use max, mean, sum or logsumexp.")
+    raise PolicyConfigError(f"aggregation={how!r} is unknown; use max, mean, sum or logsumexp.")
 
 
 def reduce_group(scores: Tensor, how: str, temperature: float = 1.0) -> Tensor:
@@ -107,7 +108,7 @@ def reduce_group(scores: Tensor, how: str, temperature: float = 1.0) -> Tensor:
         return scores.sum(2)
     if how == "logsumexp":
         return temperature * torch.logsumexp(scores / temperature, dim=2)
-    raise ValueError(f"aggregation={how!r} is unknown; use max, mean, sum or logsumexp.")
+    raise PolicyConfigError(f"aggregation={how!r} is unknown; use max, mean, sum or logsumexp.")
 
 
 def pool_slots(scores: Tensor, kernel: int, mode: str = "avg") -> Tensor:
@@ -127,5 +128,5 @@ def pool_slots(scores: Tensor, kernel: int, mode: str = "avg") -> Tensor:
     elif mode == "max":
         y = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
     else:
-        raise ValueError(f"pool mode={mode!r} is unknown; use avg or max.")
+        raise PolicyConfigError(f"pool mode={mode!r} is unknown; use avg or max.")
     return rearrange(y[..., :C], "(b kv) 1 c -> b kv c", b=scores.shape[0])

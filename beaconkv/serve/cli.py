@@ -31,6 +31,7 @@ from ..arguments import (
     positive_int,
 )
 from ..engine import Engine
+from ..errors import BeaconKVError
 from ..execution import CompileConfig
 from ..models.config import ModelConfig
 from ..models.loading import (
@@ -49,7 +50,7 @@ DEFAULT_PROMPT_CAPACITY = 1024
 """``--prompt-capacity`` without it or ``--max-model-len``: the longest prompt a slot takes."""
 
 
-class ServeError(ValueError):
+class ServeError(BeaconKVError, ValueError):
     """A server setting that cannot work (a busy port, limits beyond the model, the ``serve`` extra missing)."""
 
 

@@ -14,6 +14,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import BeaconKVError
+
 INVALID_REQUEST = "invalid_request_error"
 """``type`` of a request the server cannot take as sent (HTTP 400)."""
 RATE_LIMIT = "rate_limit_error"
@@ -38,7 +40,7 @@ def error_body(message: str, type: str = INVALID_REQUEST, param: str | None = No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-class APIError(Exception):
+class APIError(BeaconKVError):
     """A request the server answers with an error status and an OpenAI-style body.
 
     Args:

@@ -32,13 +32,14 @@ from functools import partial
 import torch
 
 from ..engine import Completion, Engine, Event, Request
+from ..errors import BeaconKVError
 from .metrics import ServerCounters, ThroughputMeter
 
 logger = logging.getLogger("beaconkv.serve")
 """The server's logger (engine failures)."""
 
 
-class WorkerStopped(RuntimeError):
+class WorkerStopped(BeaconKVError, RuntimeError):
     """The engine thread has stopped (shutdown or a failed step): the request will not complete."""
 
 

@@ -33,8 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import BeaconKVError
 
-class StorageError(ValueError):
+
+class StorageError(BeaconKVError, ValueError):
     """Bad storage settings (unknown kind, a dtype it cannot hold, non-positive sizes)."""
 
 

@@ -167,6 +167,7 @@ def test_cli_with_int8_kv_storage_and_the_project_data(tmp_path, capsys) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_max_batch_does_not_change_the_records(tmp_path, capsys) -> None:
     argv = [
         "eval", "--model", "embedded", "--benchmark", "aime24", "--limit", "2", "--samples", "2",

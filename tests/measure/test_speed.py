@@ -45,6 +45,7 @@ SMALL_COMPILED = ["--dtypes", "fp32", "--batches", "1", "--new-tokens", "8", "--
                   "--policy-cycles", "2", "--policy-dtype", "fp32"]
 
 
+@pytest.mark.long
 def test_small_compiled_bench_runs_end_to_end(tiny_models, tmp_path):
     argv = ["bench", *SMALL_COMPILED, "--model", str(tiny_models["llama"][0]), "--threads", "1", "--compile-backend",
             "aot_eager", "--no-transformers-compile", "--out", str(tmp_path)]

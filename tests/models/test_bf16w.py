@@ -76,10 +76,11 @@ def test_the_bf16w_copy_computes_the_fp32_logits_of_the_bf16_weights(bf16_llama,
 
 @needs_kernel
 @pytest.mark.slow
+@pytest.mark.long
 def test_compiled_bf16w_decoding_matches_eager(bf16_llama):
     prompts = _prompts(PACK_MIN_ROWS)
-    kw = dict(max_new_tokens=10, eos_token_ids=[], kernels="bf16w", policy="beacon",
-              policy_args={"budget": 8, "n_recent": 1, "n_beacon": 2})
+    kw = dict(max_new_tokens=10, eos_token_ids=[], kernels="bf16w",
+              policy=beaconkv.BeaconKV(budget=8, n_recent=1, n_beacon=2))
     eager = beaconkv.generate(bf16_llama, None, prompts, **kw)
     compiled = beaconkv.generate(bf16_llama, None, prompts, compile=True, **kw)
     assert (eager.stats.kernels, compiled.stats.kernels) == ("bf16w", "bf16w")

@@ -79,8 +79,7 @@ def test_auto_packs_a_wide_batch_once_and_repacks_after_a_weight_changes(tiny_mo
 @auto_packs
 def test_generate_packs_a_wide_batch_with_the_same_greedy_tokens_and_cache(llama):
     prompts = _prompts(PACK_MIN_ROWS)
-    kw = dict(max_new_tokens=12, eos_token_ids=[], policy="beacon",
-              policy_args={"budget": 8, "n_recent": 1, "n_beacon": 2})
+    kw = dict(max_new_tokens=12, eos_token_ids=[], policy=beaconkv.BeaconKV(budget=8, n_recent=1, n_beacon=2))
     auto = beaconkv.generate(llama, None, prompts, **kw)
     plain = beaconkv.generate(llama, None, prompts, kernels="model", **kw)
     assert (auto.stats.kernels, plain.stats.kernels) == ("packed", "model")

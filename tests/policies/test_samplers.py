@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from beaconkv.policies import samplers
+from beaconkv.policies.config import PolicyConfigError
 from beaconkv.policies.samplers import (
     FPS,
     SAMPLER_NAMES,
@@ -288,12 +289,12 @@ def test_fully_invalid_row_selects_nothing():
 )
 def test_invalid_arguments_raise(shape, k, valid_shape, match):
     valid = None if valid_shape is None else torch.ones(valid_shape, dtype=torch.bool)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(PolicyConfigError, match=match):
         farthest_point_sampling(torch.randn(shape), k, valid)
 
 
 def test_non_bool_mask_raises():
-    with pytest.raises(ValueError, match="bool"):
+    with pytest.raises(PolicyConfigError, match="bool"):
         farthest_point_sampling(torch.randn(5, 3), 2, torch.ones(5))
 
 
@@ -360,7 +361,7 @@ def test_kmeans_is_batched_over_leading_dims():
 
 
 def test_kmeans_rejects_bad_options():
-    with pytest.raises(ValueError, match="n_iter=-1"):
+    with pytest.raises(PolicyConfigError, match="n_iter=-1"):
         KMeans(n_iter=-1)
 
 
@@ -380,7 +381,7 @@ def test_make_sampler_passes_options():
 
 @pytest.mark.parametrize("name", ["fsp", "", "k-means", None])
 def test_make_sampler_rejects_unknown_names(name):
-    with pytest.raises(ValueError, match="unknown sampler") as error:
+    with pytest.raises(PolicyConfigError, match="unknown sampler") as error:
         make_sampler(name)
     assert repr(name) in str(error.value)
     assert all(choice in str(error.value) for choice in SAMPLER_NAMES)

@@ -156,6 +156,7 @@ def test_int8_storage_is_close_to_dense_teacher_forced(llama):
     assert float(kl.mean()) > 0  # it is not the dense cache in disguise
 
 
+@pytest.mark.long
 def test_int8_storage_compiles_with_the_same_tokens(llama):
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
     policy = make_policy("beacon", budget=128, telemetry=True)

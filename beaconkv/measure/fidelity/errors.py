@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ...errors import BeaconKVError
 
-class FidelityError(ValueError):
+
+class FidelityError(BeaconKVError, ValueError):
     """Bad fidelity/analysis settings or inputs (trace too short, unknown id, bad threshold...)."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ...errors import BeaconKVError
 from ...models.config import ModelConfig
 from ...models.decoder import CausalLM
 
@@ -19,7 +20,7 @@ from ...models.decoder import CausalLM
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class BenchError(ValueError):
+class BenchError(BeaconKVError, ValueError):
     """Inconsistent benchmark settings."""
 
 
