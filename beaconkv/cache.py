@@ -18,7 +18,10 @@ Layout of one layer (:class:`LayerKVCache`), all buffers allocated once:
   with the keys on compaction.
 
 The attention ↔ cache contract (what :class:`~beaconkv.models.attention.Attention` calls, and what
-any replacement attention must call to keep every policy working):
+any replacement attention must call to keep every policy working) is declared once, as the protocol
+:class:`LayerCache`; :class:`ModelCache` is the per-model sequence of them the decoder takes. Every
+cache-like class implements it: :class:`LayerKVCache`, the prefill view :class:`LayerRows`, and
+:class:`~beaconkv.cache_stack.LayerStack`:
 
 1. prefill: :meth:`LayerKVCache.write_prefill` with the prompt's post-RoPE keys, values and pre-RoPE
    queries (after Qwen3's ``q_norm``);
@@ -34,6 +37,7 @@ The policy decides *what* to keep; :meth:`LayerKVCache.compact` does the moving.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +48,39 @@ from .storage import KVStorage, make_storage
 
 class CacheCapacityError(BeaconKVError, ValueError):
     """A write would exceed the cache's fixed capacity."""
+
+
+@runtime_checkable
+class LayerCache(Protocol):
+    """What an attention layer needs from its layer's cache: the whole attention ↔ cache contract.
+
+    Keys arrive post-RoPE, at their absolute positions; queries arrive pre-RoPE (after Qwen3's
+    ``q_norm``) as well, because eviction policies observe them. Decode calls have static shapes and
+    write in place, so a decode step compiles into one graph.
+    """
+
+    def write_prefill(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
+        """Writes right-padded prompts: keys ``(b, kv_heads, L, head_dim)``, values, pre-RoPE queries
+        ``(b, heads, L, head_dim)``, positions ``(b, L)`` and ``valid`` ``(b, L)`` (False on padding)."""
+
+    def append(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor) -> None:
+        """Writes one decode token per row: key and value ``(batch, kv_heads, 1, head_dim)``, its pre-RoPE
+        query ``(batch, heads, 1, head_dim)`` and positions ``(batch,)``."""
+
+    def attend(self, q: Tensor, scale: float) -> Tensor:
+        """Attention of the step's rotated queries ``(batch, heads, 1, head_dim)`` over every filled slot,
+        after :meth:`append`; returns ``(batch, heads, 1, head_dim)``."""
+
+
+@runtime_checkable
+class ModelCache(Protocol):
+    """What the decoder needs from a model's cache: one :class:`LayerCache` per decoder layer."""
+
+    def __getitem__(self, i: int) -> LayerCache:
+        """The cache of decoder layer ``i``."""
+
+    def __len__(self) -> int:
+        """The number of layers."""
 
 
 class LayerKVCache(nn.Module):
@@ -384,6 +421,27 @@ class LayerRows:
     def write_prefill(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
         """Writes ``b`` prompts into this view's rows (see :meth:`LayerKVCache.write_prefill`)."""
         self.layer.write_prefill(k, v, q_pre, positions, valid, rows=self.rows)
+
+    def append(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor) -> None:
+        """Refused: a rows view only prefills; decode steps run every row of the whole cache.
+
+        Raises:
+            CacheCapacityError: Always, naming the fix.
+        """
+        raise _decode_refused()
+
+    def attend(self, q: Tensor, scale: float) -> Tensor:
+        """Refused, as :meth:`append`.
+
+        Raises:
+            CacheCapacityError: Always, naming the fix.
+        """
+        raise _decode_refused()
+
+
+def _decode_refused() -> CacheCapacityError:
+    return CacheCapacityError("a cache's rows view (KVCache.rows) only prefills; decode through the whole KVCache "
+                              "(every row decodes, idle rows write nothing that counts).")
 
 
 class CacheRows:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from ..cache import LayerKVCache
+from ..cache import LayerCache
 from .rope import RotaryEmbedding
 
 #: ``(cos, sin)``, each ``(batch, seq, head_dim)`` float32: the rotary tables of one forward.
@@ -95,7 +95,7 @@ class Attention(nn.Module):
         positions: Tensor,
         rotary: Rotary,
         valid: Tensor | None = None,
-        cache: LayerKVCache | None = None,
+        cache: LayerCache | None = None,
         decode: bool = False,
     ) -> Tensor:
         """Attends ``x`` of shape ``(batch, seq, hidden)``.
@@ -105,7 +105,7 @@ class Attention(nn.Module):
             positions: ``(batch, seq)`` absolute positions.
             rotary: ``(cos, sin)`` at those positions (see :meth:`RotaryEmbedding.cos_sin`).
             valid: ``(batch, seq)`` bool, False on right padding (None: all valid).
-            cache: The layer's cache; None for a plain forward.
+            cache: The layer's cache (any :class:`~beaconkv.cache.LayerCache`); None for a plain forward.
             decode: ``seq == 1`` decode step against ``cache`` (else prefill/plain).
 
         Returns:

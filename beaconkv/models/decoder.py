@@ -14,12 +14,11 @@ handed to every layer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..cache import KVCache
+from ..cache import LayerCache, ModelCache
 from ..execution.compiled import inputs_never_alias
 from .attention import Attention, Rotary
 from .config import ModelConfig
@@ -46,7 +45,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
 
-    def forward(self, x: Tensor, positions: Tensor, rotary: Rotary, valid: Tensor | None, cache, decode: bool) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, rotary: Rotary, valid: Tensor | None, cache: LayerCache | None,
+                decode: bool) -> Tensor:
         """Applies the block (see :meth:`Attention.forward` for the arguments)."""
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, valid, cache, decode)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -80,7 +80,7 @@ class DecoderModel(nn.Module):
         input_ids: Tensor,
         positions: Tensor,
         valid: Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: ModelCache | None = None,
         decode: bool = False,
     ) -> Tensor:
         """Returns the final hidden states ``(batch, seq, hidden)``."""
@@ -94,7 +94,8 @@ class CausalLM(nn.Module):
     """A decoder-only causal language model.
 
     ``model(input_ids)`` is a plain causal forward returning logits ``(batch, seq, vocab)``.
-    Generation uses :meth:`prefill` and :meth:`decode_step` against a :class:`~beaconkv.cache.KVCache`.
+    Generation uses :meth:`prefill` and :meth:`decode_step` against a :class:`~beaconkv.cache.KVCache` (or anything that implements
+    :class:`~beaconkv.cache.ModelCache`).
 
     Args:
         config: The architecture.
@@ -138,7 +139,7 @@ class CausalLM(nn.Module):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         return self.lm_head(self.model(input_ids, positions, valid)).float()
 
-    def prefill(self, input_ids: Tensor, valid: Tensor, cache: KVCache) -> Tensor:
+    def prefill(self, input_ids: Tensor, valid: Tensor, cache: ModelCache) -> Tensor:
         """Runs right-padded prompts, fills ``cache`` and returns each sequence's last-token logits.
 
         Args:
@@ -156,7 +157,7 @@ class CausalLM(nn.Module):
         h_last = hidden[torch.arange(B, device=hidden.device), last]
         return self.lm_head(h_last).float()
 
-    def decode_step(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+    def decode_step(self, tokens: Tensor, positions: Tensor, cache: ModelCache) -> Tensor:
         """One decode step for the whole batch: static shapes, in-place cache writes.
 
         It is :meth:`decode_inputs`, :func:`decode_layers` over the layers, then :meth:`decode_logits`:
@@ -187,7 +188,7 @@ class CausalLM(nn.Module):
 
 @inputs_never_alias
 def decode_layers(layers: tuple[nn.Module, ...], x: Tensor, positions: Tensor, rotary: Rotary,
-                  caches: tuple[Any, ...]) -> Tensor:
+                  caches: tuple[LayerCache, ...]) -> Tensor:
     """Consecutive decoder layers of a decode step (see :meth:`CausalLM.decode_step`), each appending to and
     attending over its own layer's cache in ``caches``.
 
