@@ -52,6 +52,7 @@ from .errors import BeaconKVError
 from .execution import CompileConfig
 from .models.decoder import CausalLM
 from .policies.base import EvictionPolicy, FullKV
+from .preparation import prepare_model
 from .sampling import RowSampling, SamplingParams, sample_rows
 from .session import Session
 from .storage import KVStorage
@@ -250,6 +251,11 @@ class Engine:
         on_step: Called as ``on_step(step, session)`` after every decode step, once the policy's work is
             done (measurement hooks).
 
+    Attributes:
+        prepared: What :func:`~beaconkv.preparation.prepare_model` made of ``model`` for this pool.
+        model: The model the pool runs (``prepared.model``: the caller's, or its copy with other kernels).
+        session: The pool's :class:`~beaconkv.session.Session`.
+
     Raises:
         EngineError: Sizes below 1 or beyond the model's positions.
     """
@@ -279,14 +285,15 @@ class Engine:
         if prompt_capacity + max_new_tokens > limit:
             raise EngineError(f"prompt_capacity={prompt_capacity} + max_new_tokens={max_new_tokens} exceeds the "
                               f"model's max_position_embeddings={limit}; lower one of them.")
-        self.model, self.tokenizer = model, tokenizer
+        self.prepared = prepare_model(model, max_batch, kernels=kernels, kv_storage=kv_storage, cache_dtype=cache_dtype,
+                                      compile=compile)
+        self.model, self.tokenizer = self.prepared.model, tokenizer
         self.policy = policy if policy is not None else FullKV()
         self.max_batch, self.prompt_capacity, self.max_new_tokens = max_batch, prompt_capacity, max_new_tokens
-        self.session = Session(
-            model, self.policy, batch=max_batch,
+        self.session = Session.prepared(
+            self.prepared, self.policy, batch=max_batch,
             capacity=self.policy.capacity([prompt_capacity], max_new_tokens),
-            max_tokens=prompt_capacity + max_new_tokens, kv_storage=kv_storage, cache_dtype=cache_dtype,
-            compile=compile, kernels=kernels,
+            max_tokens=prompt_capacity + max_new_tokens, kv_storage=kv_storage,
         )
         self.device = self.session.device
         self.max_queue, self.on_step = max_queue, on_step

@@ -347,7 +347,7 @@ def generate(
         decode_steps=engine.stats.steps, eviction_s=st.stats.eviction_seconds, policy_s=engine.session.policy_s,
         compiled=engine.session.compiled,
         compiled_evictions=st.stats.eviction_calls if st.executor.compiled else 0, max_batch=engine.max_batch,
-        kernels=engine.session.kernels.kernels, compile_s=sum(e.compile_s for e in executors),
+        kernels=engine.prepared.kernels, compile_s=sum(e.compile_s for e in executors),
     )
     texts = [c.text for c in done] if tokenizer is not None else [""] * len(done)
     reasons = [c.finish_reason for c in done]

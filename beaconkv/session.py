@@ -19,7 +19,6 @@ counted (the cache's ``active`` mask, the state's ``live`` flags).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -28,9 +27,9 @@ from torch import Tensor
 
 from .cache import KVCache
 from .execution import CompileConfig, make_executor, resolve_compile_config
-from .models.cpu_linear import choose_kernels
 from .models.decoder import CausalLM, decode_layers
 from .policies.base import EvictionPolicy, FullKV
+from .preparation import PreparedModel
 from .sampling import RowSampling, sample_rows
 from .storage import KVStorage
 
@@ -90,6 +89,10 @@ def pad_prompts(prompts: Sequence[Sequence[int]], device: torch.device, pad: int
 class Session:
     """A model, a cache of ``batch`` rows, a policy's state over it, and the executors.
 
+    The session runs ``model`` as it is given. To run it with other matmul kernels (a prepacked or
+    bf16-weight copy), prepare it first with :func:`~beaconkv.preparation.prepare_model` and pass
+    what that returns (its model, cache dtype and compile settings; :meth:`prepared` does this).
+
     Args:
         model: The model.
         policy: The eviction policy (settings; its state is created here). None = FullKV.
@@ -105,15 +108,9 @@ class Session:
             ``attention_hook`` even if the policy does not observe them (measurement).
         query_window: Keep at least this many pre-RoPE queries per head in the cache's ring
             (measurement; the policy's own need is always met).
-        kernels: The matmul kernels: ``"auto"`` (for 4+ rows on a CPU without native bfloat16, a bf16
-            model's weights with fp32 arithmetic or an fp32 model's prepacked linears; else the model's
-            own; see :func:`~beaconkv.models.cpu_linear.choose_kernels`), ``"model"``, ``"packed"`` or
-            ``"bf16w"``. A session on such a copy keeps its dense cache in the caller's model dtype
-            unless ``cache_dtype`` says otherwise.
 
     Attributes:
-        model: The model the session runs (the caller's, or its copy with other linear kernels).
-        kernels: The :class:`~beaconkv.models.cpu_linear.KernelChoice` made.
+        model: The model the session runs.
         cache: The cache.
         state: The policy's state.
         positions: ``(batch,)`` the position each row's next token takes.
@@ -133,22 +130,12 @@ class Session:
         compile: bool | CompileConfig = False,
         observe_attention: bool = False,
         query_window: int = 0,
-        kernels: str = "auto",
     ) -> None:
         cfg = model.config
-        self.kernels = choose_kernels(model, batch, kernels)
-        if self.kernels.model is not model and cache_dtype is None and kv_storage == "dense":
-            cache_dtype = model.dtype  # the cache the caller sized: fp32 compute does not double it
-        model = self.kernels.model
         self.model = model
         self.policy = policy if policy is not None else FullKV()
         self.device = model.device
-        config = resolve_compile_config(compile)
-        if config is not None and config.cpu_gemv and self.kernels.kernels != "model":
-            # the linears are extern kernels: inductor's matrix-vector pass has nothing of theirs to take,
-            # and with it on, compiled bf16w steps corrupted the heap on an AVX-512 CPU (torch 2.13)
-            config = dataclasses.replace(config, cpu_gemv=False)
-        self.decoder, policy_executor = make_executor(config, self.device)
+        self.decoder, policy_executor = make_executor(resolve_compile_config(compile), self.device)
         self.cache = KVCache.allocate(
             cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.num_attention_heads, capacity, cfg.head_dim,
             dtype=model.dtype, device=self.device,
@@ -163,6 +150,20 @@ class Session:
         self.policy_s = 0.0
 
     @classmethod
+    def prepared(cls, prepared: PreparedModel, policy: EvictionPolicy | None, **kwargs) -> Session:
+        """A session on a :func:`~beaconkv.preparation.prepare_model` result: its model, with its cache
+        dtype and compile settings.
+
+        Args:
+            prepared: What :func:`~beaconkv.preparation.prepare_model` made.
+            policy: The policy (None = FullKV).
+            **kwargs: ``batch``, ``capacity``, ``max_tokens``, ``kv_storage``, ``observe_attention``,
+                ``query_window`` (see the class).
+        """
+        return cls(prepared.model, policy, cache_dtype=prepared.cache_dtype, compile=prepared.compile or False,
+                   **kwargs)
+
+    @classmethod
     def for_prompts(
         cls, model: CausalLM, policy: EvictionPolicy | None, prompt_lengths: Sequence[int], new_tokens: int, **kwargs
     ) -> Session:
@@ -173,7 +174,7 @@ class Session:
             policy: The policy (None = FullKV).
             prompt_lengths: Prompt length of each row.
             new_tokens: Tokens each row may add.
-            **kwargs: ``kv_storage``, ``cache_dtype``, ``compile``, ``observe_attention``, ``query_window``, ``kernels``
+            **kwargs: ``kv_storage``, ``cache_dtype``, ``compile``, ``observe_attention``, ``query_window``
                 (see the class).
         """
         policy = policy if policy is not None else FullKV()

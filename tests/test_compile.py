@@ -309,7 +309,7 @@ def _sync_policy(name: str, **settings) -> EvictionPolicy | None:
 
 def _guarded_run(model, policy, kv_storage, compile_config):
     session = Session.for_prompts(model, policy, [9, 9], SYNC_STEPS, kv_storage=kv_storage,
-                                  compile=compile_config or False, kernels="model")
+                                  compile=compile_config or False)
     tokens = session.prefill(_prompts((9, 9))).argmax(-1)
     rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)]
     sampling = RowSampling.of(rows, model.device)

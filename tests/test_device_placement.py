@@ -75,8 +75,7 @@ def _policy(name: str):
 def _serve(model, policy, kv_storage="dense"):
     """Prefill two ragged rows (row 0 over the budget: it evicts in the prefill), decode with evictions,
     end row 0, admit a new prompt there (into a busy pool), decode on."""
-    session = Session.for_prompts(model, policy, [BUDGET + 1, BUDGET - 3], 12, kv_storage=kv_storage,
-                                  kernels="model")
+    session = Session.for_prompts(model, policy, [BUDGET + 1, BUDGET - 3], 12, kv_storage=kv_storage)
     tokens = session.prefill([[1] * (BUDGET + 1), [2] * (BUDGET - 3)]).argmax(-1)
     rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=20)]
     sampling = RowSampling.of(rows, model.device)

@@ -341,7 +341,7 @@ def test_bias_penalties_and_logprobs_through_the_engine_equal_a_step_by_step_ref
                        eos_token_ids=[])]
     got = _engine(llama, "full").run([company[0], Request(prompt, n, params, eos_token_ids=[]), company[1]])[1]
 
-    session = Session.for_prompts(llama, None, [len(prompt)], n, kernels="model")
+    session = Session.for_prompts(llama, None, [len(prompt)], n)
     logits = session.prefill([prompt])[0]
     bias, counts = torch.zeros(97), torch.zeros(97)
     bias[7], bias[8] = 2.5, -100.0

@@ -180,7 +180,7 @@ def _run_every_feature(model, compile_config):
     from beaconkv.session import Session
 
     torch.manual_seed(0)
-    session = Session.for_prompts(model, None, [9, 9, 9], 6, compile=compile_config or False, kernels="model")
+    session = Session.for_prompts(model, None, [9, 9, 9], 6, compile=compile_config or False)
     prompts = torch.randint(3, 97, (3, 9), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.inference_mode():  # as the engine runs: every step's tokens are inference tensors
         tokens = session.prefill(prompts).argmax(-1)

@@ -103,9 +103,13 @@ def test_auto_runs_bf16w_for_a_wide_bf16_batch_and_packs_fp32(bf16_llama, tiny_m
 def test_a_compiled_session_on_the_projects_kernels_leaves_inductors_gemv_pass_off(bf16_llama):
     # its linears are extern kernels (nothing for the pass), and the pass corrupted the heap of a
     # compiled bf16w step on an AVX-512 CPU; a session on the model's own kernels keeps it
+    from beaconkv.preparation import prepare_model
     from beaconkv.session import Session
 
-    ours = Session(bf16_llama, None, batch=PACK_MIN_ROWS, capacity=16, compile=True, kernels="bf16w")
-    own = Session(bf16_llama, None, batch=PACK_MIN_ROWS, capacity=16, compile=True, kernels="model")
-    assert ours.kernels.kernels == "bf16w" and not ours.decoder.config.cpu_gemv
-    assert own.decoder.config.cpu_gemv
+    ours = prepare_model(bf16_llama, PACK_MIN_ROWS, kernels="bf16w", compile=True)
+    own = prepare_model(bf16_llama, PACK_MIN_ROWS, kernels="model", compile=True)
+    assert ours.kernels == "bf16w" and ours.model is not bf16_llama and ours.source is bf16_llama
+    assert not ours.compile.cpu_gemv and own.compile.cpu_gemv and own.model is bf16_llama
+    assert ours.cache_dtype == torch.bfloat16  # the caller's cache size, though the copy computes in fp32
+    session = Session.prepared(ours, None, batch=PACK_MIN_ROWS, capacity=16)
+    assert session.model is ours.model and not session.decoder.config.cpu_gemv

@@ -95,3 +95,12 @@ def test_a_packed_session_keeps_the_cache_in_the_callers_dtype(tiny_models):
     plain = beaconkv.generate(bf16, None, prompts, max_new_tokens=4, eos_token_ids=[], kernels="model")
     assert auto.stats.kernels == ("bf16w" if bf16w_available() else "packed")  # bf16 weights: bf16w where it builds
     assert auto.stats.cache_bytes == plain.stats.cache_bytes
+
+
+@auto_packs
+def test_the_engine_and_its_session_run_the_one_prepared_model(llama):
+    engine = beaconkv.Engine(llama, max_batch=PACK_MIN_ROWS, prompt_capacity=8, max_new_tokens=4)
+    assert engine.prepared.kernels == "packed" and engine.prepared.source is llama
+    assert engine.model is engine.session.model is engine.prepared.model is not llama
+    plain = beaconkv.Engine(llama, max_batch=PACK_MIN_ROWS, prompt_capacity=8, max_new_tokens=4, kernels="model")
+    assert plain.model is plain.session.model is llama and plain.prepared.kernels == "model"

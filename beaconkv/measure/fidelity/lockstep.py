@@ -99,12 +99,11 @@ class LockStep:
                 f"prompt {max(self.lengths)} + {max_new_tokens} tokens exceeds max_position_embeddings="
                 f"{cfg.max_position_embeddings}; lower --tokens."
             )
-        # the kernels were chosen above (`packed`), once for every run: no session chooses its own
+        # the kernels were chosen above (`packed`), once for every run: every session runs that model
         reference = Session.for_prompts(model, FullKV(), self.lengths, max_new_tokens, cache_dtype=cache_dtype,
-                                        observe_attention=True, query_window=reference_query_window, kernels="model")
+                                        observe_attention=True, query_window=reference_query_window)
         self.sessions = [reference] + [
-            Session.for_prompts(model, p, self.lengths, max_new_tokens, cache_dtype=cache_dtype, kv_storage=kv_storage,
-                                kernels="model")
+            Session.for_prompts(model, p, self.lengths, max_new_tokens, cache_dtype=cache_dtype, kv_storage=kv_storage)
             for p in policies
         ]
         self._captured: list[Tensor | None] = [None] * cfg.num_hidden_layers

@@ -207,7 +207,7 @@ def run_engine_mode(model: CausalLM, tokenizer: Tokenizer, policy_name: str, bud
     return EngineRow("static" if static else "engine", policy_name, budget, slots, engine.cache_bytes, len(done),
                      tokens, wall, tokens / wall, statistics.fmean(ttft), _p90(ttft),
                      s.busy_slot_steps / max(s.steps * slots, 1), sum(c.evictions for c in done),
-                     engine.session.kernels.kernels, warmup, s.prefill_s, engine.session.policy_s)
+                     engine.prepared.kernels, warmup, s.prefill_s, engine.session.policy_s)
 
 
 def run_transformers_mode(hf_model: Any, prompts: list[list[int]], lengths: list[int], slots: int,
