@@ -97,7 +97,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from beaconkv.errors import BeaconKVError
+try:
+    from beaconkv.errors import BeaconKVError
+except ImportError:  # run by path as the box's own helper (``python -I -S sandbox.py``): the standard library only
+    class BeaconKVError(Exception):  # type: ignore[no-redef]
+        """Stands in for :class:`beaconkv.errors.BeaconKVError` inside the box, where nothing raises it."""
 
 __all__ = [
     "SANDBOX_HOST_ID",
