@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("bf16w_line
 """The kernels' C++ sources, shipped with the package (with the header they share, ``csrc/avx2_bf16.h``)."""
 
 _BUILD_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+STALE_LOCK_S = 600.0
+"""Age after which torch's build lock is taken for a leftover of an interrupted build (a build takes ~50 s)."""
 _lock = threading.Lock()
 _status: dict[str, str | None] = {}
 
@@ -63,6 +66,34 @@ def _sources_digest() -> str:
     return digest.hexdigest()[:12]
 
 
+def clear_stale_lock(build_dir: str | os.PathLike[str], max_age_s: float = STALE_LOCK_S) -> bool:
+    """Removes torch's build lock of ``build_dir`` when it is older than any build takes.
+
+    torch's extension builder holds a ``lock`` file while one process builds and makes every other
+    process wait for it to go, with no time limit: a build killed midway (Ctrl-C, a killed test run)
+    leaves the file behind and every later process waits forever, silently. A lock older than
+    ``max_age_s`` is such a leftover; it is removed, with a line on stderr naming it.
+
+    Args:
+        build_dir: The extension's build folder.
+        max_age_s: Age in seconds past which the lock is stale.
+
+    Returns:
+        Whether a stale lock was removed.
+    """
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    lock.unlink(missing_ok=True)
+    print(f"beaconkv: removed the stale build lock {lock} ({age / 60:.0f} min old: an interrupted build left it)",
+          file=sys.stderr, flush=True)
+    return True
+
+
 def _build() -> str | None:
     """Builds and loads the extension; returns why it failed, or None."""
     reason = _unsupported_reason()
@@ -74,8 +105,13 @@ def _build() -> str | None:
     ninja = _ninja_dir()
     if ninja is not None and shutil.which("ninja") is None:  # torch looks for it on the PATH only
         os.environ["PATH"] = ninja + os.pathsep + os.environ.get("PATH", "")
+    name = f"beaconkv_cpu_kernels_{_sources_digest()}"
     try:
-        cpp_extension.load(name=f"beaconkv_cpu_kernels_{_sources_digest()}", sources=[str(s) for s in SOURCES],
+        clear_stale_lock(cpp_extension._get_build_directory(name, verbose=False))
+    except (AttributeError, OSError):  # another torch's layout, or an unwritable folder: torch reports it below
+        pass
+    try:
+        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
                            extra_cflags=_BUILD_FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
                            verbose=False)
     except (RuntimeError, OSError, ImportError) as err:  # a compiler or linker failure
