@@ -34,18 +34,21 @@ class PreparedModel:
     """What :func:`prepare_model` made.
 
     Attributes:
-        model: The model to run: the caller's, or a copy of it with other linear kernels.
         source: The caller's model.
-        choice: The kernels chosen and the one-sentence reason.
+        choice: The kernels chosen, the model that runs them and the one-sentence reason.
         cache_dtype: The dtype a dense cache keeps keys and values in (None: the running model's).
         compile: The compile settings the session must use (None: eager).
     """
 
-    model: CausalLM
     source: CausalLM
     choice: KernelChoice
     cache_dtype: torch.dtype | None
     compile: CompileConfig | None
+
+    @property
+    def model(self) -> CausalLM:
+        """The model to run: the caller's, or a copy of it with other linear kernels (``choice.model``)."""
+        return self.choice.model
 
     @property
     def kernels(self) -> str:
@@ -89,4 +92,4 @@ def prepare_model(
         cache_dtype = model.dtype  # the cache the caller sized: fp32 compute does not double it
     if config is not None and config.cpu_gemv and choice.kernels != "model":
         config = dataclasses.replace(config, cpu_gemv=False)
-    return PreparedModel(choice.model, model, choice, cache_dtype, config)
+    return PreparedModel(model, choice, cache_dtype, config)
