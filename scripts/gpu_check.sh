@@ -61,7 +61,7 @@ cat "$OUT_DIR/device.txt"
 
 if [ "$SMOKE" = 1 ]; then
   # tiny shapes: a 2-layer random Qwen3 shape, a few hundred tokens, graphs traced with aot_eager
-  TESTS=(-m cuda -k "never_wait and beacon-eager" tests/test_compile.py)  # the rest runs in make test itself
+  TESTS=(-m cuda -k "never_wait and beacon-eager" tests/execution/test_sync.py)  # the rest runs in make test itself
   DECODE=(--model qwen3-tiny --dtype fp32 --batch 2 --prompt-tokens 16 --new-tokens 48 --budget 32 --n-recent 4 --compile-backend aot_eager)
   TABLE4=(--model qwen3-tiny --dtype fp32 --batch 2 --generation-tokens 320 --budget 128 --cycles 1 --mode eager --in-process)
   ENGINE=(--engine-model qwen3-tiny --engine-dtype fp32 --engine-requests 6 --engine-min-new 8 --engine-max-new 48
@@ -69,7 +69,7 @@ if [ "$SMOKE" = 1 ]; then
           --compile-backend aot_eager)
   LIMITS=(240 120 120 240)
 else
-  TESTS=(-m cuda tests/test_compile.py)
+  TESTS=(-m cuda tests/test_compile.py tests/execution/test_sync.py)
   DECODE=(--model embedded --dtype bf16 --batch 8 --prompt-tokens 64 --new-tokens 256 --budget 128)
   TABLE4=(--model qwen3-4b --dtype bf16 --batch 16 --generation-tokens 32768 --budget 2048 --cycles 1)
   ENGINE=(--engine-model qwen3-4b --engine-requests 32 --engine-min-new 64 --engine-max-new 1024

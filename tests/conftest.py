@@ -75,6 +75,24 @@ def tiny_models(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    """The tiny random llama loaded by beaconkv (fp32, CPU), once per test module."""
+    import beaconkv
+
+    return beaconkv.load_model(tiny_models["llama"][0])
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the module: tiny tensors only pay for more threads, worst on a shared machine.
+    A module asks for it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tiny_models, tmp_path_factory) -> Path:
     """The tiny random llama as a checkpoint the CLI can load: weights, config and a 97-token word tokenizer."""

@@ -31,7 +31,6 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
 import beaconkv
 
@@ -141,15 +140,6 @@ def test_every_public_module_and_name_has_an_api_entry(site: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------- code
-@pytest.fixture
-def one_thread():
-    """Tiny models decode faster on one thread, and the test machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.long) if p == "guides/custom-stack.md" else p
                                   for p in EXECUTED_PAGES])
 def test_page_code_runs(page: str, tmp_path, monkeypatch, one_thread) -> None:

@@ -8,6 +8,7 @@ engine section) at tiny shapes, so no stage can name a module, flag or function 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,14 @@ def test_every_stage_of_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
     assert len(decode) == 2 and all("2/2 sequences identical to eager" in line for line in decode), decode
     assert "compiled evictions" in decode[1] and " 0 compiled evictions" not in decode[1], decode
     assert (tmp_path / "table4" / "table4.json").exists() and (tmp_path / "engine" / "bench.json").exists()
+
+
+def test_every_test_file_the_gpu_check_names_exists() -> None:
+    """The full (GPU) run selects tests by file too; a file moved or renamed must fail here, not on the GPU."""
+    named = set(re.findall(r"tests/[\w/]+\.py", SCRIPT.read_text()))
+    assert named, "the script names no test file"
+    missing = sorted(f for f in named if not (SCRIPT.parents[1] / f).is_file())
+    assert not missing, missing
 
 
 def test_the_gpu_check_refuses_an_unknown_option(tmp_path: Path) -> None:

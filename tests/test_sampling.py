@@ -152,13 +152,6 @@ def test_extreme_temperatures_and_top_p_never_give_nan():
 
 
 # ----------------------------------------------------------- the decode step with every feature: one graph, no sync
-@pytest.fixture(scope="module")
-def llama(tiny_models):
-    import beaconkv
-
-    return beaconkv.load_model(tiny_models["llama"][0])
-
-
 def _outside_dispatch_modes(compiled):
     """``compiled`` whose graphs run with the active dispatch modes suspended (dynamo runs no frame under one)."""
     from torch.utils._python_dispatch import _disable_current_modes

@@ -36,13 +36,7 @@ POSITIONS = [
 T = [13, 8]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tensors here are tiny: intra-op threads only add overhead, and stall badly on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- hand-built cache
@@ -415,11 +409,6 @@ def test_bad_settings_are_rejected_with_the_value(make, match):
 
 
 # ---------------------------------------------------------- through generation
-@pytest.fixture(scope="module")
-def llama(tiny_models):
-    return beaconkv.load_model(tiny_models["llama"][0])
-
-
 def test_h2o_buffer_equals_attention_recomputed_by_transformers(llama, tiny_models):
     hf = tiny_models["llama"][1]
     prompt = torch.randint(3, 97, (20,), generator=torch.Generator().manual_seed(7)).tolist()
