@@ -25,7 +25,9 @@ from .models.loading import CheckpointError, MetaTensorError
 from .policies import (
     RKV,
     RPC,
+    AtBudget,
     BeaconKV,
+    Buffered,
     EventBeaconKV,
     EvictionPolicy,
     FullKV,
@@ -33,7 +35,9 @@ from .policies import (
     H2O,
     InitialRecent,
     MemoryBeaconKV,
+    Periodic,
     PolicyConfigError,
+    Schedule,
     SnapKV,
     StreamingLLM,
     make_policy,
@@ -57,6 +61,8 @@ __all__ = [
     # policies: by class, or by registry name
     "BeaconKV", "EventBeaconKV", "EvictionPolicy", "FullKV", "GroupBeaconKV", "H2O", "InitialRecent", "MemoryBeaconKV",
     "RKV", "RPC", "SnapKV", "StreamingLLM", "make_policy", "policy_names", "register_policy",
+    # when a policy evicts: the schedules
+    "AtBudget", "Buffered", "Periodic", "Schedule",
     # cache, storage, execution
     "CompileConfig", "DenseKV", "Int8KV", "KVCache", "KVStorage", "LayerKVCache",
     # the error family

@@ -27,6 +27,7 @@ from .models.embedded import embedded_model_path
 from .policies.base import EvictionPolicy, FullKV
 from .policies.config import PolicyConfigError
 from .policies.registry import auto_n_recent, make_policy, policy_class, policy_names, policy_parameters
+from .policies.schedules import AtBudget, parse_schedule
 from .storage import storage_names
 
 #: ``--budget``'s default: evictable tokens per sequence and KV head.
@@ -336,7 +337,11 @@ def policy_settings(args: argparse.Namespace, default_budget: int = DEFAULT_BUDG
 
     Raises:
         PolicyConfigError: An unknown policy or spec; ``--budget`` (or any parameter but
-            ``telemetry``) with a policy that keeps every token; a parameter set twice.
+            ``telemetry``) with a policy that keeps every token; a parameter set twice; a bad
+            ``--policy-arg schedule=`` spec.
+
+    A schedule that sizes the cache itself (``--policy-arg schedule=periodic:period=1024,compression=4``)
+    takes no budget: without ``--budget`` none is set, and with one the schedule refuses it.
     """
     cls = policy_class(args.policy)
     kwargs = _merge(_named_options(args), parse_policy_args(args.policy_arg), "--budget")
@@ -350,6 +355,8 @@ def policy_settings(args: argparse.Namespace, default_budget: int = DEFAULT_BUDG
             raise PolicyConfigError(f"--policy {args.policy} keeps every token and takes no {', '.join(ignored)}; "
                                     "drop it, or pick an evicting policy (e.g. --policy beacon).")
         return PolicySettings(args.policy, None, kwargs)
+    if args.budget is None and parse_schedule(kwargs.get("schedule", AtBudget())).sizes_itself:
+        return PolicySettings(args.policy, None, kwargs)  # --policy-arg schedule=periodic:...: no budget
     budget = args.budget if args.budget is not None else default_budget
     if "n_recent" not in kwargs and isinstance(budget, int) and budget >= 1:
         params = policy_parameters(args.policy)

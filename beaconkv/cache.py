@@ -289,6 +289,22 @@ class LayerKVCache(nn.Module):
         mask = (qpos >= 0) & (qpos > lo[:, None]) & (qpos <= hi[:, None])
         return q, qpos, mask
 
+    def ring_at(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Pre-RoPE queries of the ring at given positions.
+
+        Args:
+            rows: ``(b,)`` sequences.
+            positions: ``(b, n)`` positions (any; those the ring no longer or never held come back unheld).
+
+        Returns:
+            ``(queries (b, heads, n, head_dim), held (b, n))``: ``held`` is False where the ring does not
+            hold that position (its query there is whatever the slot holds).
+        """
+        slots = positions.remainder(self.query_window)
+        held = torch.gather(self.query_pos[rows], 1, slots) == positions
+        idx = slots[:, None, :, None].expand(-1, self.n_heads, -1, self.head_dim)
+        return torch.gather(self.queries[rows], 2, idx), held
+
     # ------------------------------------------------------------------------------- moves
     def compact(self, rows: Tensor, keep: Tensor, keep_valid: Tensor) -> None:
         """Keeps the given slots of some sequences, moved to the front in the given (position) order.

@@ -113,7 +113,6 @@ class Session:
         model: The model the session runs.
         cache: The cache.
         state: The policy's state.
-        positions: ``(batch,)`` the position each row's next token takes.
         policy_s: Host seconds spent in the policy between steps.
     """
 
@@ -143,10 +142,8 @@ class Session:
             track_attention=self.policy.track_attention or observe_attention, storage=kv_storage,
             storage_dtype=cache_dtype,
         )
-        self.cache.active.fill_(False)  # no row decodes until admitted
-        self.state = self.policy.create_state(self.cache, model.rope, policy_executor)
+        self.state = self.policy.create_state(self.cache, model.rope, policy_executor)  # no row admitted yet
         self.decoder.prepare(self.cache, self.state)
-        self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.policy_s = 0.0
 
     @classmethod
@@ -188,6 +185,12 @@ class Session:
         return self.cache.batch
 
     @property
+    def positions(self) -> Tensor:
+        """``(batch,)`` the position each row's next token takes: read from the policy's state, the one
+        owner of the rows' positions (:attr:`~beaconkv.policies.state.PolicyState.positions`)."""
+        return self.state.positions
+
+    @property
     def compiled(self) -> bool:
         """Whether the decode step runs compiled."""
         return self.decoder.compiled
@@ -195,9 +198,7 @@ class Session:
     # ------------------------------------------------------------------------------- rows
     def admit(self, rows: Sequence[int], prompt_lengths: Sequence[int]) -> None:
         """Starts ``rows`` for prompts of these lengths (before their prefill; see :meth:`prefill`)."""
-        rows, lengths = list(rows), list(prompt_lengths)
-        self.policy.admit(self.state, rows, lengths)
-        self.positions[self.state.index(rows)] = self.state.to_device(lengths)
+        self.policy.admit(self.state, list(rows), list(prompt_lengths))
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int] | None = None) -> Tensor:
@@ -280,5 +281,4 @@ class Session:
         in every live row (:meth:`step` calls it; a caller that decodes through a stack calls it after)."""
         t0 = time.perf_counter()
         self.policy.after_decode_step(self.state)
-        self.policy_s += time.perf_counter() - t0
-        self.positions.add_(self.cache.active)
+        self.policy_s += time.perf_counter() - t0  # the policy's state advanced every live row's position

@@ -29,7 +29,8 @@ def test_every_registered_policy_class_is_importable_from_the_package():
 
 
 @pytest.mark.parametrize("name", ["SamplingParams", "make_policy", "register_policy", "policy_names",
-                                  "EvictionPolicy", "EngineError", "PolicyConfigError", "BeaconKVError"])
+                                  "EvictionPolicy", "EngineError", "PolicyConfigError", "BeaconKVError",
+                                  "Schedule", "AtBudget", "Buffered", "Periodic"])
 def test_what_a_user_reaches_for_is_importable_from_the_package(name):
     assert name in beaconkv.__all__ and hasattr(beaconkv, name)
 

@@ -3,7 +3,8 @@
 Every policy subclasses :class:`EvictionPolicy` (a dataclass of settings) and returns per-slot
 scores; protection of the prefix and recent tokens, top-k and in-place compaction are shared. What a
 policy remembers while decoding lives in the :class:`PolicyState` it creates for a cache. Build one
-by class or by name with :func:`make_policy`. The building blocks of the shipped policies (the keep
+by class or by name with :func:`make_policy`. When it evicts and how much survives is its ``schedule``
+(:class:`AtBudget`, the default; :class:`Buffered`; :class:`Periodic`), which any scorer takes. The building blocks of the shipped policies (the keep
 selection, BeaconKV's state, the query set) stay in their modules
 (:mod:`beaconkv.policies.selection`, :mod:`beaconkv.policies.beacon`, :mod:`beaconkv.policies.query_set`).
 """
@@ -25,6 +26,7 @@ from .registry import (
 from .rkv import RKV
 from .rpc import RPC
 from .samplers import FPS, ContinualFPS, KMeans, NaiveFPS, QuerySampler
+from .schedules import AtBudget, Buffered, Periodic, Schedule, parse_schedule
 from .snapkv import SnapKV
 from .state import EvictionRecord, PolicyState, PolicyStats
 from .streaming import StreamingLLM
@@ -37,6 +39,8 @@ __all__ = [
     # writing a policy: the base classes, its state and records, the query samplers
     "ContinualFPS", "EvictionPolicy", "EvictionRecord", "FPS", "KMeans", "NaiveFPS", "PolicyState", "PolicyStats",
     "QuerySampler", "RecentWindowPolicy",
+    # when a policy evicts and how much it keeps: the schedules
+    "AtBudget", "Buffered", "Periodic", "Schedule", "parse_schedule",
     # the registry: names -> policies
     "make_policy", "policy_class", "policy_names", "policy_parameters", "register_policy",
     "PolicyConfigError",

@@ -18,6 +18,12 @@ Budget semantics (SPEC §2), per sequence and KV head:
 * the last ``n_recent`` tokens always survive;
 * so the cache never holds more than ``n_prefix + budget`` tokens, and its memory is allocated once.
 
+That is the default :class:`~beaconkv.policies.schedules.AtBudget` schedule. When to evict and how many
+survive come from the policy's ``schedule`` (:mod:`beaconkv.policies.schedules`), so any scorer runs
+under R-KV's :class:`~beaconkv.policies.schedules.Buffered` or RPC's
+:class:`~beaconkv.policies.schedules.Periodic` schedule too; the scorer and the protection rules do not
+change.
+
 Lifecycle, driven by :class:`beaconkv.session.Session` (for :func:`beaconkv.generate`, the engine and
 the fidelity study alike):
 
@@ -28,7 +34,7 @@ the fidelity study alike):
    already over the budget;
 4. each decode step writes one key and one pre-RoPE query per row in place (static shapes), then
    :meth:`after_decode_step` runs on the host: it advances the schedule (plain integers, so no
-   device read is needed to know when to evict) and evicts the rows whose count reached ``budget``;
+   device read is needed to know when to evict) and evicts the rows its schedule says are due;
 5. :meth:`EvictionPolicy.release` ends rows (a finished request leaves its slot).
 
 The device work — an eviction's score, select and compact (:meth:`evict_layer`), and any policy's
@@ -50,6 +56,7 @@ from torch import Tensor
 from ..cache import KVCache, LayerKVCache
 from ..execution import Executor
 from .config import PolicyConfigError, check_int, check_number
+from .schedules import AtBudget, Schedule, parse_schedule, protected_scores
 from .selection import select_keep
 from .state import EvictionRecord, PolicyState, PolicyStats
 
@@ -66,24 +73,28 @@ class EvictionPolicy:
     :meth:`after_count_change`). Everything about budgets, protection, scheduling and compaction is
     shared. A subclass declared ``@dataclass`` adds its parameters as fields (after ``budget``,
     before the keyword-only ones) and validates them in :meth:`validate`; every policy takes the
-    keyword-only ``n_prefix``, ``n_recent``, ``ratio`` and ``telemetry`` documented here.
+    keyword-only ``n_prefix``, ``n_recent``, ``ratio``, ``schedule`` and ``telemetry`` documented here.
 
     Args:
         budget: ``B_max``, evictable tokens per sequence and KV head; None = never evict.
         n_prefix: Protected leading tokens; None = the whole prompt of each sequence.
         n_recent: The last ``n_recent`` tokens are never evicted.
         ratio: ``B_min = floor(ratio * budget)``, in (0, 1).
+        schedule: When to evict and how many evictable tokens survive (a
+            :class:`~beaconkv.policies.schedules.Schedule`, or its spec for
+            :func:`~beaconkv.policies.schedules.parse_schedule` such as ``"buffered:buffer=128"``);
+            default :class:`~beaconkv.policies.schedules.AtBudget` (evict at ``budget`` down to ``B_min``).
         telemetry: Record kept positions and observation sets of every eviction.
 
-    Invariants (property-tested):
+    Invariants (property-tested, under the default schedule):
         * the cache holds at most ``n_prefix + budget`` tokens per (sequence, KV head);
         * each eviction leaves exactly ``n_prefix + B_min``;
         * prefix and the last ``n_recent`` positions survive every eviction;
         * kept K/V are bit-identical to what was written, positions strictly increasing.
 
     Raises:
-        PolicyConfigError: A non-int budget or ``budget < 1``, ratio outside (0, 1), or
-            ``budget - B_min < n_recent``.
+        PolicyConfigError: A non-int budget or ``budget < 1``, ratio outside (0, 1),
+            ``budget - B_min < n_recent``, or a schedule that cannot serve these settings.
     """
 
     budget: int | None = None
@@ -91,6 +102,7 @@ class EvictionPolicy:
     n_prefix: int | None = None
     n_recent: int = 16
     ratio: float = 7 / 8
+    schedule: Schedule = AtBudget()
     telemetry: bool = False
 
     #: Short registry name.
@@ -99,11 +111,13 @@ class EvictionPolicy:
     track_attention: ClassVar[bool] = False
     #: The class of :meth:`create_state`'s result.
     state_class: ClassVar[type[PolicyState]] = PolicyState
-    #: Whether ``budget=None`` is an error (False for FullKV, and for cadences that size themselves).
+    #: Whether ``budget=None`` is an error (False for FullKV; a schedule that sizes itself needs none).
     requires_budget: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
+        self.schedule = parse_schedule(self.schedule)
         self.validate()
+        self.schedule.check(self)
 
     def validate(self) -> None:
         """Checks the settings (subclasses extend it; called on construction).
@@ -117,18 +131,9 @@ class EvictionPolicy:
         if not isinstance(self.telemetry, bool):
             raise PolicyConfigError(f"telemetry={self.telemetry!r} must be True or False.")
         check_int("budget", self.budget, 1, optional=True, hint="Use FullKV (budget=None) to keep everything.")
-        if self.budget is None and self.requires_budget:
-            raise PolicyConfigError(f"{type(self).__name__} needs a budget (e.g. budget=1024); "
-                                    "use FullKV to keep everything.")
-        if self.budget is not None:
-            b_min = math.floor(self.ratio * self.budget)
-            if self.budget - b_min < self.n_recent or b_min < self.n_recent:
-                need = max(math.ceil(self.n_recent / (1 - self.ratio)), math.ceil(self.n_recent / self.ratio))
-                raise PolicyConfigError(
-                    f"budget={self.budget} with ratio={self.ratio:.4g} evicts down to B_min={b_min}, which leaves "
-                    f"{self.budget - b_min} < n_recent={self.n_recent} slots per eviction; use budget >= {need} "
-                    f"or a smaller n_recent."
-                )
+        if self.budget is None and self.requires_budget and not self.schedule.sizes_itself:
+            raise PolicyConfigError(f"{type(self).__name__} needs a budget (e.g. budget=1024), or a schedule that "
+                                    "sizes itself (schedule=Periodic(...)); use FullKV to keep everything.")
 
     # ------------------------------------------------------------------------------- sizing
     @property
@@ -139,7 +144,13 @@ class EvictionPolicy:
     @property
     def evicts(self) -> bool:
         """Whether the policy ever evicts (False for FullKV: the cache holds every token)."""
-        return self.budget is not None
+        return self.budget is not None or self.schedule.sizes_itself
+
+    @property
+    def uncompressed_recent(self) -> int:
+        """Newest tokens a periodic schedule leaves uncompressed (``n_recent``; a policy that observes a
+        window of recent queries leaves the window too)."""
+        return self.n_recent
 
     def query_window(self, max_tokens: int) -> int:
         """How many recent pre-RoPE queries per head the cache must keep in its ring (0: none).
@@ -167,9 +178,8 @@ class EvictionPolicy:
 
     def peak_evictable(self, count: int, new_tokens: int) -> int:
         """Most evictable tokens a sequence holds at once, from ``count`` after its prompt and
-        ``new_tokens`` more. Default: ``budget`` (policies with their own cadence override it)."""
-        assert self.budget is not None
-        return self.budget
+        ``new_tokens`` more: the schedule's peak (``budget`` under the default schedule)."""
+        return self.schedule.peak(self, count, new_tokens)
 
     def capacity(self, prompt_lengths: list[int], new_tokens: int) -> int:
         """Cache slots needed per (sequence, KV head) for prompts of these lengths and ``new_tokens``.
@@ -198,6 +208,7 @@ class EvictionPolicy:
             The state; no row is admitted yet (see :meth:`admit`).
         """
         state = self.state_class.allocate(cache, rope, executor)
+        cache.active.fill_(False)  # no row decodes until admitted (the state owns the mask from here)
         self.init_state(state)
         for i, layer in enumerate(cache.layers):
             layer.prefill_hook = functools.partial(self.observe_prefill, state, state.layers[i])
@@ -220,6 +231,7 @@ class EvictionPolicy:
         prefixes = self.prefix_lengths(prompt_lengths)
         for b, L, p in zip(rows, prompt_lengths, prefixes):
             state.count[b], state.t[b], state.prefix[b], state.live[b] = L - p, L - 1, p, True
+            state.settled[b] = 0
             state.stats.evictions[b] = 0
         rows_t = state.index(rows)
         state.t_dev[rows_t] = state.to_device([L - 1 for L in prompt_lengths])
@@ -254,12 +266,16 @@ class EvictionPolicy:
         state.cache.active[state.index(rows)] = False
 
     def evict_due(self, state: PolicyState, rows: list[int]) -> None:
-        """Evicts the given rows whose evictable count reached ``budget`` (override for another cadence)."""
-        if self.budget is None:
+        """Evicts the given rows whose evictable count reached their schedule's eviction point."""
+        if not self.evicts:
             return
-        due = [b for b in rows if state.count[b] >= self.budget]
+        due = [b for b in rows if state.count[b] >= self.evict_point(state, b)]
         if due:
             self.evict(state, due)
+
+    def evict_point(self, state: PolicyState, b: int) -> int:
+        """The evictable count at which row ``b`` next evicts (``budget`` under the default schedule)."""
+        return self.schedule.evict_at(self, state.settled[b])
 
     def evict(self, state: PolicyState, rows: list[int]) -> None:
         """Scores and compacts the given rows in every layer, down to ``n_prefix + keep_count`` (``B_min``)."""
@@ -282,6 +298,7 @@ class EvictionPolicy:
                 self._record(state, i, rows, rows_t, t, kept)
         for b, kept_count in zip(rows, kept_counts):
             state.count[b] = kept_count
+            state.settled[b] = self.schedule.settled_after(self, kept_count)
             state.stats.evictions[b] += 1
         state.stats.eviction_calls += 1
         self.after_evict(state, rows)
@@ -306,8 +323,8 @@ class EvictionPolicy:
         Returns:
             ``(b, kv_heads, K)`` the kept positions (``-1`` padding), for telemetry.
         """
-        scores = self.score(state, layer_state, cache, rows, t)
         pos = cache.positions(rows)
+        scores = protected_scores(self.schedule, self, self.score(state, layer_state, cache, rows, t), pos, t)
         keep, keep_valid = select_keep(scores, pos, n_prefix, t, self.n_recent, keep_total, K)
         kept = torch.where(keep_valid, torch.gather(pos, -1, keep), -1)
         cache.compact(rows, keep, keep_valid)
@@ -326,13 +343,9 @@ class EvictionPolicy:
             state.stats.telemetry.append(EvictionRecord(state.step, i, list(rows), kept.cpu(), observed))
 
     def keep_count(self, state: PolicyState, rows: list[int]) -> list[int]:
-        """Evictable tokens each of the given rows keeps at this eviction. Default: ``B_min``.
-
-        Policies with another cadence (RPC's and R-KV's original schedules) override this together
-        with :meth:`evict_due` and :meth:`peak_evictable`.
-        """
-        assert self.b_min is not None
-        return [self.b_min] * len(rows)
+        """Evictable tokens each of the given rows keeps at this eviction: the schedule's
+        :meth:`~beaconkv.policies.schedules.Schedule.keep` (``B_min`` under the default schedule)."""
+        return [self.schedule.keep(self, state.count[b], state.settled[b]) for b in rows]
 
     # ------------------------------------------------------------------------------- hooks
     def observe_prefill(self, state: PolicyState, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,

@@ -9,8 +9,9 @@ arrived *now*, where would it look?" (SPEC §4):
 1. Prefill: FPS of the prompt's pre-RoPE queries down to ``B_min^Q`` -> the observation set.
 2. Accumulate: each decode query joins the observation set; when it holds ``B_max^Q`` vectors it is
    FPS-compressed back to ``B_min^Q`` (Continual FPS; bounded memory).
-3. Freeze: when the evictable count reaches ``budget - n_recent``, ``n_beacon`` beacons are FPS'd
-   from the observation set; the next ``n_recent`` queries are the recent set.
+3. Freeze: ``n_recent`` tokens before the next eviction (the evictable count reaches ``budget - n_recent``
+   under the default schedule), ``n_beacon`` beacons are FPS'd from the observation set; the next
+   ``n_recent`` queries are the recent set.
 4. Score (count = budget): beacons rotated to the *current* position ``t``, recent queries to
    their *own* positions (causal), softmax over the cache, aggregated (max) over queries and the
    GQA group.
@@ -236,7 +237,7 @@ class BeaconKV(EvictionPolicy):
             self.lifecycle.compress(self, state, due)
 
     def after_count_change(self, state: PolicyState, rows: list[int]) -> None:
-        due = [b for b in rows if state.phase[b] == "accumulate" and state.count[b] >= self.budget - self.n_recent]
+        due = [b for b in rows if state.phase[b] == "accumulate" and state.count[b] >= self.freeze_point(state, b)]
         if due:
             self.freeze(state, due)
 
@@ -260,12 +261,17 @@ class BeaconKV(EvictionPolicy):
         lag = []
         for b in rows:
             # past the freeze point already (prefill): the newest prompt queries count as recent
-            overshoot = state.count[b] - (self.budget - self.n_recent)
+            overshoot = state.count[b] - self.freeze_point(state, b)
             lag.append(min(max(overshoot, 0), self.n_recent))
             state.recent_since[b] = state.t[b] - lag[-1]
             if state.phase[b] != "static":
                 state.phase[b] = "frozen"
         state.recent_since_dev[rows_t] = state.t_dev[rows_t] - state.to_device(lag)
+
+    def freeze_point(self, state: PolicyState, b: int) -> int:
+        """Step 3's trigger: the evictable count ``n_recent`` tokens before row ``b``'s next eviction (its
+        schedule's :meth:`~beaconkv.policies.EvictionPolicy.evict_point`; ``budget - n_recent`` by default)."""
+        return self.evict_point(state, b) - self.n_recent
 
     def roll(self, state: PolicyState, rows: list[int]) -> None:
         """Step 6: the lifecycle folds beacons and recent queries back in; beacon and recent sets cleared."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -62,3 +63,12 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     """Raises :class:`PolicyConfigError` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise PolicyConfigError(f"{name}={value!r} is unknown; use one of {', '.join(map(repr, choices))}.")
+
+
+def settings_repr(obj: Any) -> str:
+    """``Class(setting=value, ...)`` with only the settings of a dataclass that differ from their defaults."""
+    if not dataclasses.is_dataclass(obj):
+        return f"{type(obj).__name__}()"
+    changed = [f"{f.name}={getattr(obj, f.name)!r}" for f in dataclasses.fields(obj)
+               if f.repr and getattr(obj, f.name) != f.default]
+    return f"{type(obj).__name__}({', '.join(changed)})"

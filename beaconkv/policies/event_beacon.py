@@ -107,14 +107,12 @@ class EventBeaconKV(BeaconKV):
     def observe_attention(self, state: PolicyState, layer_state: Any, weights: Tensor) -> None:
         """Takes this step's far-looking queries of one layer into its event ring (device ops only)."""
         cache: LayerKVCache = layer_state.cache
-        t = state.t_dev + 1  # the position this decode step wrote (the state advances after the step)
-        pos = cache.pos  # (batch, kv, capacity)
+        t = state.positions  # the position this decode step writes (the state advances after the step)
+        pos = cache.positions()  # (batch, kv, capacity)
         far = (pos >= state.prefix_dev[:, None, None]) & (pos >= 0) & (pos <= (t - self.event_window)[:, None, None])
         share = (weights * far.to(weights.dtype).unsqueeze(2)).sum(-1)  # (batch, kv, group)
-        flag = rearrange(share >= self.event_mass, "b kv g -> b (kv g)") & cache.active[:, None]  # (batch, heads)
-        slot = torch.remainder(t, cache.query_window)  # the ring slot of this step's query
-        index = slot.view(-1, 1, 1, 1).expand(-1, cache.n_heads, 1, cache.head_dim)
-        q = torch.gather(cache.queries, 2, index)  # (batch, heads, 1, head_dim) pre-RoPE
+        flag = rearrange(share >= self.event_mass, "b kv g -> b (kv g)") & state.cache.active[:, None]  # (batch, heads)
+        q, _ = cache.ring_at(state.all_rows, t[:, None])  # (batch, heads, 1, head_dim) pre-RoPE, just written
         events: QuerySet = layer_state.events
         nxt = layer_state.next_slot  # (batch, heads)
         write = nxt.unsqueeze(-1)  # (batch, heads, 1)

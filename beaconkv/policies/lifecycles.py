@@ -69,18 +69,14 @@ def ring_since(state: PolicyState, rows: list[int], rows_t: Tensor, since: list[
         since_dev: Device ``(batch,)`` mirror of the bound for every row.
     """
     cache = state.cache
-    R = cache[0].query_window
-    n = max(min(max(state.t[b] - s for b, s in zip(rows, since)), R), 0)
+    n = max(min(max(state.t[b] - s for b, s in zip(rows, since)), cache[0].query_window), 0)
     pos = state.t_dev[rows_t][:, None] - n + 1 + torch.arange(n, device=rows_t.device)  # (b, n)
-    slots = pos.remainder(R)
-    # positions the ring still holds (every layer writes the same positions: layer 0 tells)
-    held = torch.gather(cache[0].query_pos[rows_t], 1, slots) == pos
+    read = [c.ring_at(rows_t, pos) for c in cache.layers]
+    held = read[0][1]  # every layer's ring holds the same positions: layer 0 tells
     valid = held & (pos > since_dev[rows_t][:, None])
     pos = torch.where(valid, pos, -1)
-    first = cache[0]
-    idx = slots[:, None, :, None].expand(-1, first.n_heads, -1, first.head_dim)
-    q = torch.stack([torch.gather(c.queries[rows_t], 2, idx) for c in cache.layers])
-    shape = (len(cache), len(rows), first.n_heads, n)
+    q = torch.stack([queries for queries, _ in read])
+    shape = (len(cache), len(rows), cache[0].n_heads, n)
     return QuerySet(q, pos[None, :, None].expand(shape), valid[None, :, None].expand(shape))
 
 

@@ -15,13 +15,10 @@ from einops import reduce
 from torch import Tensor
 
 from ..cache import LayerKVCache
-from .config import check_choice, check_int, check_number
+from .config import check_number
 from .scoring import group_queries, pool_slots
 from .state import PolicyState
 from .window import RecentWindowPolicy
-
-CADENCES = ("budget", "rkv")
-
 
 def key_redundancy(keys: Tensor, mask: Tensor, threshold: float) -> Tensor:
     """R-KV's redundancy of every key among the keys of ``mask``, per (sequence, KV head).
@@ -75,33 +72,28 @@ class RKV(RecentWindowPolicy):
     nothing (the reference then zeroes its similarity to slot 0 by accident); the default ``lam`` is
     the paper's 0.1 (the code's default is 0.07).
 
-    Cadence: ``"budget"`` (default) is the shared SPEC §2 semantics. ``"rkv"`` is the reference
-    schedule: the cache evicts back to ``budget`` evictable tokens each time it holds
-    ``budget + buffer``, i.e. every ``buffer`` new tokens — so it holds up to ``n_prefix + budget +
-    buffer`` tokens (the budget is the size *after* an eviction, as in the R-KV paper).
+    Schedule: the shared SPEC §2 semantics by default. R-KV's reference schedule is
+    ``RKV(budget, schedule=Buffered(buffer=128))``: the cache evicts back to ``budget`` evictable tokens
+    each time it holds ``budget + buffer`` (see :class:`~beaconkv.policies.schedules.Buffered`; the
+    budget is then the size *after* an eviction, as in the R-KV paper).
 
     Observes: the query ring, ``query_window = window``.
 
     Args:
-        budget: ``B_max`` (``"budget"`` cadence) or the post-eviction size (``"rkv"`` cadence).
+        budget: ``B_max`` (or, under :class:`~beaconkv.policies.schedules.Buffered`, the size after an eviction).
         window: Observed recent queries w (default 8).
         kernel: Odd max-pooling kernel (default 7).
         lam: Weight of the importance, in ``[0, 1]`` (default 0.1).
         threshold: Cosine similarity above which keys count as similar, in ``[0, 1]`` (default 0.5).
-        cadence: ``"budget"`` (default) or ``"rkv"``.
-        buffer: New tokens between evictions under ``cadence="rkv"`` (default 128).
 
     Raises:
-        PolicyConfigError: Bad ``window``/``kernel``/``lam``/``threshold``/``cadence``, a missing
-            budget, or ``buffer < 1``.
+        PolicyConfigError: Bad ``window``/``kernel``/``lam``/``threshold``, or a missing budget.
     """
 
     window: int = 8
     kernel: int = 7
     lam: float = 0.1
     threshold: float = 0.5
-    cadence: str = "budget"
-    buffer: int = 128
 
     name: ClassVar[str] = "rkv"
 
@@ -109,8 +101,6 @@ class RKV(RecentWindowPolicy):
         super().validate()
         check_number("lam", self.lam, 0.0, 1.0, hint="(default 0.1)")
         check_number("threshold", self.threshold, 0.0, 1.0, hint="(a cosine similarity; default 0.5)")
-        check_choice("cadence", self.cadence, CADENCES)
-        check_int("buffer", self.buffer, 1, hint="(default 128)")
 
     # ---------------------------------------------------------------- scoring
     def importance(self, state: PolicyState, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
@@ -135,17 +125,3 @@ class RKV(RecentWindowPolicy):
         # window > B_min the window must not push the prefix out
         window_keep = torch.finfo(torch.float32).max
         return torch.where(pos > (t - self.window)[:, None, None], window_keep, scores)
-
-    # --------------------------------------------------------------- cadence
-    def evict_due(self, state: PolicyState, rows: list[int]) -> None:
-        if self.cadence == "budget":
-            return super().evict_due(state, rows)
-        due = [b for b in rows if state.count[b] >= self.budget + self.buffer]
-        if due:
-            self.evict(state, due)
-
-    def keep_count(self, state: PolicyState, rows: list[int]) -> list[int]:
-        return super().keep_count(state, rows) if self.cadence == "budget" else [self.budget] * len(rows)
-
-    def peak_evictable(self, count: int, new_tokens: int) -> int:
-        return self.budget if self.cadence == "budget" else self.budget + self.buffer

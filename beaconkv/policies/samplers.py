@@ -19,7 +19,6 @@ never depend on data.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .config import PolicyConfigError
+from .config import PolicyConfigError, settings_repr
 
 __all__ = [
     "SAMPLER_NAMES",
@@ -239,11 +238,7 @@ class QuerySampler(ABC):
 
     def __repr__(self) -> str:
         """The class name and the settings that differ from their defaults."""
-        if not dataclasses.is_dataclass(self):
-            return f"{type(self).__name__}()"
-        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                   if f.repr and getattr(self, f.name) != f.default]
-        return f"{type(self).__name__}({', '.join(changed)})"
+        return settings_repr(self)
 
 
 @dataclass(frozen=True, repr=False)

@@ -74,6 +74,8 @@ class PolicyState:
         rope: The model's rotary module (re-rotates stored pre-RoPE queries).
         executor: Runs the policy's device functions (eagerly or compiled).
         count: Host, per row: evictable tokens held.
+        settled: Host, per row: evictable tokens an earlier eviction compressed, which the schedule leaves
+            alone (0 unless the schedule is periodic; see :meth:`~beaconkv.policies.schedules.Schedule.settled_after`).
         t: Host, per row: position of the newest token.
         prefix: Host, per row: protected prefix length.
         live: Host, per row: whether the row decodes (admitted and not released).
@@ -99,6 +101,7 @@ class PolicyState:
     all_rows: Tensor
     layers: list[Any]
     stats: PolicyStats
+    settled: list[int] = field(default_factory=list)
     step: int = 0
     peak_tokens: int = 0
 
@@ -114,11 +117,21 @@ class PolicyState:
         """
         B, device = cache.batch, cache.device
         return cls(
-            cache=cache, rope=rope, executor=executor or EagerExecutor(), count=[0] * B, t=[-1] * B,
+            cache=cache, rope=rope, executor=executor or EagerExecutor(), count=[0] * B, settled=[0] * B, t=[-1] * B,
             prefix=[0] * B, live=[False] * B, t_dev=torch.full((B,), -1, dtype=torch.long, device=device),
             prefix_dev=torch.zeros(B, dtype=torch.long, device=device), all_rows=torch.arange(B, device=device),
             layers=[None] * len(cache), stats=PolicyStats(evictions=[0] * B), **fields,
         )
+
+    @property
+    def positions(self) -> Tensor:
+        """``(batch,)`` the position each row's next token takes (``t_dev + 1``): what a decode step writes.
+
+        The state is the one owner of the rows' positions (host :attr:`t`, device :attr:`t_dev`, advanced by
+        the policy after each step) and, through :meth:`~beaconkv.policies.EvictionPolicy.admit` and
+        :meth:`~beaconkv.policies.EvictionPolicy.release`, of the cache's ``active`` mask; the session
+        and the decode step read them."""
+        return self.t_dev + 1
 
     @property
     def batch(self) -> int:

@@ -46,6 +46,11 @@ class RecentWindowPolicy(EvictionPolicy):
     def query_window(self, max_tokens: int) -> int:
         return self.window
 
+    @property
+    def uncompressed_recent(self) -> int:
+        """``max(window, n_recent)``: a periodic schedule leaves the observation window uncompressed too."""
+        return max(self.window, self.n_recent)
+
     def observed_positions(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor,
                            t: Tensor) -> Tensor:
         _, qpos, mask = last_queries(cache, rows, t, self.window)

@@ -16,7 +16,7 @@ import beaconkv
 from beaconkv.execution import CompileConfig
 from beaconkv.execution import compiled as compiled_module
 from beaconkv.execution.sync import HostSyncError, no_host_sync
-from beaconkv.policies import EvictionPolicy, make_policy
+from beaconkv.policies import Buffered, EvictionPolicy, Periodic, make_policy
 from beaconkv.policies.registry import policy_names, policy_parameters
 from beaconkv.policies.selection import select_keep
 from beaconkv.sampling import RowSampling, SamplingParams
@@ -91,9 +91,9 @@ def _sync_checks(device: torch.device):
             torch.cuda.set_sync_debug_mode(0)
 
 
-SYNC_POLICIES = [*policy_names(), "rpc@rpc", "rkv@rkv"]  # "@": the policy's own original cadence
+SYNC_POLICIES = [*policy_names(), "rpc@rpc", "rkv@rkv"]  # "@": the policy's own original schedule
 # compiled, the host code around the graphs is the executor's and the policy's own (the same for every
-# policy, checked eagerly for each): one representative per observation kind and cadence, and int8 once
+# policy, checked eagerly for each): one representative per observation kind and schedule, and int8 once
 SYNC_COMPILED = ["full", "beacon", "snapkv", "h2o", "rpc@rpc", "rkv@rkv"]
 SYNC_CASES = ([(name, None, storage) for name in SYNC_POLICIES for storage in ("dense", "int8")]
               + [(name, TRACE, "dense") for name in SYNC_COMPILED] + [("beacon", TRACE, "int8")])
@@ -106,14 +106,14 @@ SYNC_CASES = ([(name, None, storage) for name in SYNC_POLICIES for storage in ("
 def test_decode_and_eviction_never_wait_for_the_device(tiny_models, llama, name, compile_config, kv_storage, device,
                                                       monkeypatch):
     """Every decode step and every eviction (rows, counts, positions, scores, compaction) of every registered
-    policy (and RPC's and R-KV's own cadences), on dense and int8 storage, eager and compiled, runs with no
+    policy (and RPC's and R-KV's own schedules), on dense and int8 storage, eager and compiled, runs with no
     operation that would make the host wait for the device: on the CPU a dispatch mode refuses them
     (.item(), bool(t), nonzero, mask indexing, unique, device-to-host copies...), so a sync cannot hide
     until a GPU is lent; on a GPU CUDA's own sync debug mode fails on any stream synchronisation as well."""
     model = llama if device == "cpu" else beaconkv.load_model(tiny_models["llama"][0], device=device)
     base, _, cadence = name.partition("@")
-    own = {"rpc": {"cadence": "rpc", "budget": None, "period": 16, "window": 4},
-           "rkv": {"cadence": "rkv", "budget": 32, "buffer": 8}}
+    own = {"rpc": {"schedule": Periodic(period=16), "budget": None, "window": 4},
+           "rkv": {"schedule": Buffered(buffer=8), "budget": 32}}
     policy = _sync_policy(base, **own.get(cadence, {}))
     if compile_config is not None:
         # dynamo runs no frame under a dispatch mode: the graphs run (and compile) outside the guard —

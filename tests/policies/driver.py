@@ -7,6 +7,7 @@ import torch
 from beaconkv.cache import KVCache
 from beaconkv.models.rope import RotaryEmbedding
 from beaconkv.policies.base import EvictionPolicy
+from beaconkv.policies.schedules import AtBudget
 from beaconkv.policies.state import PolicyState
 
 
@@ -93,8 +94,10 @@ def _stored(x: torch.Tensor, storage: str) -> torch.Tensor:
 
 def check(policy: EvictionPolicy, state: PolicyState, written, evicted: list[bool], keep: int | None = None) -> None:
     """Asserts the cache invariants (see :func:`drive`); ``keep``: the evictable count an eviction must
-    leave (default: the policy's ``B_min``)."""
-    keep = policy.b_min if keep is None else keep
+    leave (default: the policy's ``B_min`` under the default schedule; under another schedule, without
+    ``keep``, the host's count is checked against the device's length)."""
+    if keep is None and isinstance(policy.schedule, AtBudget):
+        keep = policy.b_min
     cache = state.cache
     for i, layer in enumerate(cache.layers):
         wk, wv = written[i]
@@ -112,9 +115,62 @@ def check(policy: EvictionPolicy, state: PolicyState, written, evicted: list[boo
             assert torch.equal(got[filled], expect[filled]), "kept K/V must be the values written at their positions"
         for b in range(B):
             n, prefix, t = int(length[b]), state.prefix[b], state.t[b]
-            if policy.budget is not None:
-                assert n <= prefix + policy.budget, f"layer {i} seq {b}: {n} > {prefix}+{policy.budget}"
-            if evicted[b]:
+            assert n == prefix + state.count[b], f"layer {i} seq {b}: {n} slots, the host counts {prefix}+{state.count[b]}"
+            if policy.evicts:  # never past the schedule's eviction point (``budget`` by default)
+                bound = policy.evict_point(state, b)
+                assert n <= prefix + bound, f"layer {i} seq {b}: {n} > {prefix}+{bound}"
+            if evicted[b] and keep is not None:
                 assert n == prefix + keep, f"after eviction {n} != {prefix}+{keep}"
+            if evicted[b]:
                 must = set(range(prefix)) | set(range(max(t - policy.n_recent + 1, 0), t + 1))
                 assert all(must <= set(pos[b, h, :n].tolist()) for h in range(H)), "prefix and recent tokens survive"
+
+
+# ------------------------------------------------------- hand-checkable runs (one layer, hand-made keys)
+class IdentityRope:
+    """Leaves queries unrotated, so hand-made keys decide the attention."""
+
+    def rotate(self, x, positions):
+        return x
+
+
+def drive_hand(policy, prompt, keys_at, steps, n_kv=2, head_dim=8, attention=None):
+    """Writes ``prompt`` tokens and ``steps`` decode tokens with keys ``keys_at(p, kv)`` and every query
+    ``e0``; ``attention(layer, step)`` may report decode attention. Returns the layer (its policy
+    state as ``layer.state``)."""
+    cap = policy.capacity([prompt], steps)
+    cache = KVCache.allocate(1, 1, n_kv, n_kv, cap, head_dim, query_window=policy.query_window(prompt + steps),
+                             track_attention=policy.track_attention)
+    layer = cache[0]
+    layer.state = state = bind(policy, cache, IdentityRope(), [prompt])
+    e0 = torch.eye(head_dim)[0]
+
+    def kv(ps):
+        return torch.stack([torch.stack([keys_at(p, h) for p in ps]) for h in range(n_kv)])[None]
+
+    ps = list(range(prompt))
+    q = e0.expand(1, n_kv, prompt, head_dim)
+    layer.write_prefill(kv(ps), kv(ps), q, torch.tensor([ps]), torch.ones(1, prompt, dtype=torch.bool))
+    policy.after_prefill(state, [0])
+    for s in range(steps):
+        p = prompt + s
+        layer.append(kv([p]), kv([p]), e0.expand(1, n_kv, 1, head_dim), torch.tensor([p]))
+        if attention is not None:
+            attention(layer, s)
+        policy.after_decode_step(state)
+    return layer
+
+
+def kept(layer, kv):
+    n = int(layer.length[0])
+    return layer.pos[0, kv, :n].tolist()
+
+
+def dull_keys(dull: dict[int, set[int]]):
+    """Keys 0 (logit 0) except ``-40 e0`` (almost no attention) at the given positions per KV head."""
+    def keys_at(p, h):
+        k = torch.zeros(8)
+        if p in dull[h]:
+            k[0] = -40.0
+        return k
+    return keys_at

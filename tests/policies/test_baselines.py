@@ -23,7 +23,7 @@ from beaconkv.policies.rpc import RPC
 from beaconkv.policies.snapkv import SnapKV
 from beaconkv.policies.streaming import StreamingLLM
 
-from .driver import bind
+from .driver import bind, drive_hand, dull_keys, kept
 
 D, N_KV, HEADS, CAP, RING = 4, 2, 4, 12, 6
 GROUP = HEADS // N_KV
@@ -244,55 +244,6 @@ def test_rkv_redundancy_spares_the_newest_duplicate():
 
 
 # ------------------------------------------------------- hand-checkable evictions
-class IdentityRope:
-    """Leaves queries unrotated, so hand-made keys decide the attention."""
-
-    def rotate(self, x, positions):
-        return x
-
-
-def drive_hand(policy, prompt, keys_at, steps, n_kv=2, head_dim=8, attention=None):
-    """Writes ``prompt`` tokens and ``steps`` decode tokens with keys ``keys_at(p, kv)`` and every query
-    ``e0``; ``attention(layer, step)`` may report decode attention. Returns the layer (its policy
-    state as ``layer.state``)."""
-    cap = policy.capacity([prompt], steps)
-    cache = KVCache.allocate(1, 1, n_kv, n_kv, cap, head_dim, query_window=policy.query_window(prompt + steps),
-                             track_attention=policy.track_attention)
-    layer = cache[0]
-    layer.state = state = bind(policy, cache, IdentityRope(), [prompt])
-    e0 = torch.eye(head_dim)[0]
-
-    def kv(ps):
-        return torch.stack([torch.stack([keys_at(p, h) for p in ps]) for h in range(n_kv)])[None]
-
-    ps = list(range(prompt))
-    q = e0.expand(1, n_kv, prompt, head_dim)
-    layer.write_prefill(kv(ps), kv(ps), q, torch.tensor([ps]), torch.ones(1, prompt, dtype=torch.bool))
-    policy.after_prefill(state, [0])
-    for s in range(steps):
-        p = prompt + s
-        layer.append(kv([p]), kv([p]), e0.expand(1, n_kv, 1, head_dim), torch.tensor([p]))
-        if attention is not None:
-            attention(layer, s)
-        policy.after_decode_step(state)
-    return layer
-
-
-def kept(layer, kv):
-    n = int(layer.length[0])
-    return layer.pos[0, kv, :n].tolist()
-
-
-def dull_keys(dull: dict[int, set[int]]):
-    """Keys 0 (logit 0) except ``-40 e0`` (almost no attention) at the given positions per KV head."""
-    def keys_at(p, h):
-        k = torch.zeros(8)
-        if p in dull[h]:
-            k[0] = -40.0
-        return k
-    return keys_at
-
-
 @pytest.mark.parametrize("make", [
     lambda: SnapKV(16, window=4, kernel=1, n_recent=2),
     lambda: RPC(16, window=4, kernel=1, n_recent=2),
@@ -347,45 +298,6 @@ def test_h2o_keeps_heavy_hitters_and_recent_and_moves_the_buffer():
         assert moved == pytest.approx([before[(h, p)] for p in kept(layer, h)])
 
 
-# ------------------------------------------------------------------- cadences
-def test_rpc_cadence_compacts_only_the_newest_period_or_reselects():
-    # P=8, c=2 (keep 4 per period), R=max(window 2, n_recent 1)=2, prefix 2.
-    # period 1 (t=9, positions 2..9): dull 3, 5, 6 -> keep 8, 9 + 4 of 2..7: the two oldest dull go.
-    # period 2 (t=15, positions 8..15 are the newest period): dull 10, 12.
-    dull = {3, 5, 6, 10, 12}
-    results = {}
-    for reselect in (False, True):
-        policy = RPC(None, window=2, kernel=1, n_recent=1, cadence="rpc", period=8, compression=2,
-                     reselect=reselect)
-        cap = policy.capacity([2], 14)
-        layer = drive_hand(policy, 2, dull_keys({0: dull, 1: dull}), steps=14)
-        assert layer.state.stats.evictions == [2]
-        assert int(layer.length[0]) == 2 + 4 + 4 + 2 and cap == 2 + 4 + 8
-        results[reselect] = kept(layer, 0)
-    assert results[False] == [0, 1, 2, 4, 6, 7, 8, 9, 11, 13, 14, 15]
-    assert results[True] == [0, 1, 2, 4, 7, 8, 9, 11, 12, 13, 14, 15]
-
-
-@pytest.mark.parametrize("n_prefix", [None, 0])
-def test_rpc_cadence_capacity_is_the_peak_of_the_schedule(n_prefix):
-    policy = RPC(None, window=4, n_recent=2, cadence="rpc", period=16, compression=4, n_prefix=n_prefix)
-    for prompt, steps in [(3, 0), (3, 15), (3, 16), (3, 100), (40, 57), (16, 5)]:
-        cap = policy.capacity([prompt], steps)
-        layer = drive_hand(policy, prompt, lambda p, h: torch.randn(8), steps=steps)
-        assert layer.state.peak_tokens == cap  # exact: the cache is never too small, nor larger than needed
-
-
-def test_rkv_cadence_evicts_back_to_the_budget_every_buffer_tokens():
-    policy = RKV(8, window=2, n_recent=1, cadence="rkv", buffer=4)
-    counts = []
-    cap = policy.capacity([2], 30)
-    policy.after_count_change = lambda state, rows: counts.append(state.count[0])  # an instance override
-    layer = drive_hand(policy, 2, lambda p, h: torch.randn(8), steps=30)
-    assert cap == layer.state.peak_tokens == 2 + 8 + 4
-    assert layer.state.stats.evictions == [(30 - 12) // 4 + 1]
-    assert counts[11:18] == [11, 8, 9, 10, 11, 8, 9]  # counts[s]: after the s-th write (0: the prefill)
-
-
 # ------------------------------------------------------------------- validation
 @pytest.mark.parametrize("make, match", [
     (lambda: StreamingLLM(128, n_sink=-1), "n_sink=-1"),
@@ -395,13 +307,9 @@ def test_rkv_cadence_evicts_back_to_the_budget_every_buffer_tokens():
     (lambda: SnapKV(128, kernel=4), "kernel=4"),
     (lambda: RPC(128, kernel=0), "kernel=0"),
     (lambda: RPC(128, group_reduce="max"), "group_reduce='max'"),
-    (lambda: RPC(128, cadence="weekly"), "cadence='weekly'"),
-    (lambda: RPC(128, cadence="rpc"), "budget=None"),
-    (lambda: RPC(None, cadence="rpc", period=32, compression=4), "period=32"),
     (lambda: RKV(128, lam=1.2), "lam=1.2"),
     (lambda: RKV(128, threshold=2.0), "threshold=2.0"),
     (lambda: RKV(128, window=-1), "window=-1"),
-    (lambda: RKV(128, cadence="rkv", buffer=0), "buffer=0"),
 ])
 def test_bad_settings_are_rejected_with_the_value(make, match):
     with pytest.raises(PolicyConfigError, match=match):
@@ -451,19 +359,4 @@ def test_generation_stays_in_budget_and_ragged_batch_equals_single_runs(llama, n
     assert batch.stats.cache_capacity == 27 + 128
     singles = [beaconkv.generate(llama, None, [p], max_new_tokens=200, eos_token_ids=[],
                                  policy=BUDGET_POLICIES[name]()).token_ids[0] for p in prompts]
-    assert batch.token_ids == singles
-
-
-@pytest.mark.parametrize("make", [
-    lambda: RPC(None, cadence="rpc", period=64, compression=4),
-    lambda: RKV(128, cadence="rkv", buffer=16),
-], ids=["rpc", "rkv"])
-def test_original_cadences_through_generation(llama, make):
-    g = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (20, 9)]
-    batch = beaconkv.generate(llama, None, prompts, max_new_tokens=160, eos_token_ids=[], policy=make())
-    assert min(batch.stats.evictions) > 0
-    assert batch.stats.peak_cache_tokens <= batch.stats.cache_capacity
-    singles = [beaconkv.generate(llama, None, [p], max_new_tokens=160, eos_token_ids=[], policy=make()).token_ids[0]
-               for p in prompts]
     assert batch.token_ids == singles

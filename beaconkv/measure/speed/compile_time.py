@@ -28,7 +28,6 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 __all__ = ["COMPILE_PROMPT", "CompileRow", "add_compile_arguments", "markdown_compile", "run_compile_section"]

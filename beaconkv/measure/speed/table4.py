@@ -42,7 +42,7 @@ from ...execution import CompileConfig
 from ...generation import GenerationOutput, generate
 from ...models.decoder import CausalLM
 from ...models.loading import load_model
-from ...models.random_weights import RANDOM_SHAPES, qwen3_4b_config, random_model
+from ...models.random_weights import RANDOM_SHAPES, random_model
 from ...policies.registry import make_policy
 from .machine import DTYPES, PeakMemory, kv_bytes_per_token, random_prompts, rss_bytes
 from .timing import StepRecorder
