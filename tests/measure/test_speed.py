@@ -21,10 +21,10 @@ from beaconkv.measure.speed.machine import (
     kv_bytes_per_token,
     weight_bytes_per_step,
 )
+from beaconkv.models.random_weights import qwen3_4b_config
 from beaconkv.measure.speed.table4 import (
     markdown_table4,
     measure_table4,
-    qwen3_4b_config,
     smaller_batch,
 )
 from beaconkv.measure.speed.targets import evaluate_targets
