@@ -25,17 +25,31 @@ import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
 from .config import PolicyConfigError, check_int, settings_repr
 
-if TYPE_CHECKING:  # the policy module imports this one
-    from .base import EvictionPolicy
 
-__all__ = ["AtBudget", "Buffered", "Periodic", "Schedule", "parse_schedule", "schedule_names"]
+
+class ScheduledPolicy(Protocol):
+    """What a schedule reads of its policy (an :class:`~beaconkv.policies.EvictionPolicy`)."""
+
+    budget: int | None
+    n_recent: int
+    ratio: float
+
+    @property
+    def b_min(self) -> int | None:
+        """``floor(ratio * budget)``."""
+
+    @property
+    def uncompressed_recent(self) -> int:
+        """Newest tokens a periodic schedule leaves uncompressed."""
+
+__all__ = ["AtBudget", "Buffered", "Periodic", "Schedule", "ScheduledPolicy", "parse_schedule", "schedule_names"]
 
 
 class Schedule(ABC):
@@ -54,7 +68,7 @@ class Schedule(ABC):
     name: ClassVar[str] = "schedule"
     sizes_itself: ClassVar[bool] = False
 
-    def check(self, policy: EvictionPolicy) -> None:
+    def check(self, policy: ScheduledPolicy) -> None:
         """Refuses a policy this schedule cannot serve (called when the policy is made). Default: a
         schedule that does not size itself needs a budget (the policy checks that).
 
@@ -63,24 +77,24 @@ class Schedule(ABC):
         """
 
     @abstractmethod
-    def evict_at(self, policy: EvictionPolicy, settled: int) -> int:
+    def evict_at(self, policy: ScheduledPolicy, settled: int) -> int:
         """The evictable count at which a row evicts, given the tokens an earlier eviction settled."""
 
     @abstractmethod
-    def keep(self, policy: EvictionPolicy, count: int, settled: int) -> int:
+    def keep(self, policy: ScheduledPolicy, count: int, settled: int) -> int:
         """Evictable tokens a row keeps when it evicts holding ``count`` of them."""
 
-    def settled_after(self, policy: EvictionPolicy, kept: int) -> int:
+    def settled_after(self, policy: ScheduledPolicy, kept: int) -> int:
         """Evictable tokens an eviction that kept ``kept`` leaves settled. Default: 0 (every later
         eviction re-selects among all evictable tokens)."""
         return 0
 
     @abstractmethod
-    def peak(self, policy: EvictionPolicy, count: int, new_tokens: int) -> int:
+    def peak(self, policy: ScheduledPolicy, count: int, new_tokens: int) -> int:
         """Most evictable tokens a row holds at once, from ``count`` after its prompt and ``new_tokens`` more
         (sizes the cache)."""
 
-    def protect(self, policy: EvictionPolicy, pos: Tensor, t: Tensor) -> Tensor | None:
+    def protect(self, policy: ScheduledPolicy, pos: Tensor, t: Tensor) -> Tensor | None:
         """Slots kept whatever their score, ``(b, kv_heads, capacity)`` bool, from the slots' positions ``pos``
         and each row's newest position ``t`` ``(b,)``; a device function. Default: None (the scores decide)."""
         return None
@@ -96,7 +110,7 @@ class AtBudget(Schedule):
 
     name: ClassVar[str] = "budget"
 
-    def check(self, policy: EvictionPolicy) -> None:
+    def check(self, policy: ScheduledPolicy) -> None:
         if policy.budget is None:
             return
         b_min = policy.b_min
@@ -109,13 +123,13 @@ class AtBudget(Schedule):
                 f"or a smaller n_recent."
             )
 
-    def evict_at(self, policy: EvictionPolicy, settled: int) -> int:
+    def evict_at(self, policy: ScheduledPolicy, settled: int) -> int:
         return policy.budget
 
-    def keep(self, policy: EvictionPolicy, count: int, settled: int) -> int:
+    def keep(self, policy: ScheduledPolicy, count: int, settled: int) -> int:
         return policy.b_min
 
-    def peak(self, policy: EvictionPolicy, count: int, new_tokens: int) -> int:
+    def peak(self, policy: ScheduledPolicy, count: int, new_tokens: int) -> int:
         return policy.budget
 
 
@@ -136,18 +150,18 @@ class Buffered(Schedule):
     def __post_init__(self) -> None:
         check_int("buffer", self.buffer, 1, hint="(new tokens between evictions; default 128)")
 
-    def check(self, policy: EvictionPolicy) -> None:
+    def check(self, policy: ScheduledPolicy) -> None:
         if policy.budget is not None and policy.budget < policy.n_recent:
             raise PolicyConfigError(f"Buffered keeps budget={policy.budget} evictable tokens, fewer than "
                                     f"n_recent={policy.n_recent}; use budget >= {policy.n_recent}.")
 
-    def evict_at(self, policy: EvictionPolicy, settled: int) -> int:
+    def evict_at(self, policy: ScheduledPolicy, settled: int) -> int:
         return policy.budget + self.buffer
 
-    def keep(self, policy: EvictionPolicy, count: int, settled: int) -> int:
+    def keep(self, policy: ScheduledPolicy, count: int, settled: int) -> int:
         return policy.budget
 
-    def peak(self, policy: EvictionPolicy, count: int, new_tokens: int) -> int:
+    def peak(self, policy: ScheduledPolicy, count: int, new_tokens: int) -> int:
         return policy.budget + self.buffer
 
 
@@ -186,7 +200,7 @@ class Periodic(Schedule):
         """``period // compression``: tokens a compression keeps out of a period (besides the recent)."""
         return self.period // self.compression
 
-    def check(self, policy: EvictionPolicy) -> None:
+    def check(self, policy: ScheduledPolicy) -> None:
         if policy.budget is not None:
             raise PolicyConfigError(
                 f"Periodic sizes the cache from period={self.period} and compression={self.compression}; "
@@ -200,16 +214,16 @@ class Periodic(Schedule):
                 f"period >= {recent + max(1, kept)} or a smaller compression/window."
             )
 
-    def evict_at(self, policy: EvictionPolicy, settled: int) -> int:
+    def evict_at(self, policy: ScheduledPolicy, settled: int) -> int:
         return settled + self.period
 
-    def keep(self, policy: EvictionPolicy, count: int, settled: int) -> int:
+    def keep(self, policy: ScheduledPolicy, count: int, settled: int) -> int:
         return count - self.period + self.kept_per_period + policy.uncompressed_recent
 
-    def settled_after(self, policy: EvictionPolicy, kept: int) -> int:
+    def settled_after(self, policy: ScheduledPolicy, kept: int) -> int:
         return kept - policy.uncompressed_recent
 
-    def peak(self, policy: EvictionPolicy, count: int, new_tokens: int) -> int:
+    def peak(self, policy: ScheduledPolicy, count: int, new_tokens: int) -> int:
         """Host arithmetic, one loop iteration per compression."""
         P, T, R = self.period, self.kept_per_period, policy.uncompressed_recent
         settled, peak = 0, count
@@ -223,7 +237,7 @@ class Periodic(Schedule):
                 settled, count = count - P + T, count - P + T + R
         return peak
 
-    def protect(self, policy: EvictionPolicy, pos: Tensor, t: Tensor) -> Tensor:
+    def protect(self, policy: ScheduledPolicy, pos: Tensor, t: Tensor) -> Tensor:
         keep = pos > (t - policy.uncompressed_recent)[:, None, None]  # left uncompressed, as RPC's last R
         if not self.reselect:  # compact the newest period only
             keep |= pos <= (t - self.period)[:, None, None]
@@ -280,7 +294,7 @@ def _value(text: str) -> Any:
         return text
 
 
-def protected_scores(schedule: Schedule, policy: EvictionPolicy, scores: Tensor, pos: Tensor, t: Tensor) -> Tensor:
+def protected_scores(schedule: Schedule, policy: ScheduledPolicy, scores: Tensor, pos: Tensor, t: Tensor) -> Tensor:
     """``scores`` with the slots the schedule protects raised to ``+inf`` (a device function's step)."""
     keep = schedule.protect(policy, pos, t)
     return scores if keep is None else torch.where(keep, torch.inf, scores)
