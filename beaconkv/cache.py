@@ -289,11 +289,11 @@ class LayerKVCache(nn.Module):
         mask = (qpos >= 0) & (qpos > lo[:, None]) & (qpos <= hi[:, None])
         return q, qpos, mask
 
-    def ring_at(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def ring_at(self, rows: Tensor | None, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Pre-RoPE queries of the ring at given positions.
 
         Args:
-            rows: ``(b,)`` sequences.
+            rows: ``(b,)`` sequences (None: every row, read in place: no copy of the ring).
             positions: ``(b, n)`` positions (any; those the ring no longer or never held come back unheld).
 
         Returns:
@@ -301,9 +301,10 @@ class LayerKVCache(nn.Module):
             hold that position (its query there is whatever the slot holds).
         """
         slots = positions.remainder(self.query_window)
-        held = torch.gather(self.query_pos[rows], 1, slots) == positions
+        queries, query_pos = (self.queries, self.query_pos) if rows is None else (self.queries[rows], self.query_pos[rows])
+        held = torch.gather(query_pos, 1, slots) == positions
         idx = slots[:, None, :, None].expand(-1, self.n_heads, -1, self.head_dim)
-        return torch.gather(self.queries[rows], 2, idx), held
+        return torch.gather(queries, 2, idx), held
 
     # ------------------------------------------------------------------------------- moves
     def compact(self, rows: Tensor, keep: Tensor, keep_valid: Tensor) -> None:

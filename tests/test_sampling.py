@@ -19,6 +19,8 @@ from beaconkv.sampling import (
     sample_rows,
 )
 
+from .dispatch import run_graphs_outside_dispatch_modes
+
 
 @pytest.mark.parametrize("kwargs,fragment", [
     ({"temperature": math.nan}, "temperature=nan must be a finite number (>= 0; 0 = greedy)"),
@@ -152,22 +154,6 @@ def test_extreme_temperatures_and_top_p_never_give_nan():
 
 
 # ----------------------------------------------------------- the decode step with every feature: one graph, no sync
-def _outside_dispatch_modes(compiled):
-    """``compiled`` whose graphs run with the active dispatch modes suspended (dynamo runs no frame under one)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    def make(fn, config, device):
-        graph = compiled(fn, config, device)
-
-        def call(*args):
-            with _disable_current_modes():
-                return graph(*args)
-
-        return call
-
-    return make
-
-
 def _run_every_feature(model, compile_config):
     from beaconkv.execution.sync import no_host_sync
     from beaconkv.session import Session
@@ -195,13 +181,12 @@ def test_the_decode_step_with_bias_penalties_and_logprobs_is_one_graph_without_h
     """Eagerly under the host-sync guard, and compiled (``fullgraph=True``: one graph, or it raises) with aot_eager,
     whose graphs run outside the guard while the host code around them stays inside it; the same results."""
     from beaconkv.execution import CompileConfig
-    from beaconkv.execution import compiled as compiled_module
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         eager = _run_every_feature(llama, None)
-        monkeypatch.setattr(compiled_module, "compiled", _outside_dispatch_modes(compiled_module.compiled))
+        run_graphs_outside_dispatch_modes(monkeypatch)
         compiled = _run_every_feature(llama, CompileConfig(backend="aot_eager"))
     finally:
         torch.set_num_threads(before)

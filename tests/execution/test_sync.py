@@ -14,13 +14,14 @@ import torch
 
 import beaconkv
 from beaconkv.execution import CompileConfig
-from beaconkv.execution import compiled as compiled_module
 from beaconkv.execution.sync import HostSyncError, no_host_sync
 from beaconkv.policies import Buffered, EvictionPolicy, Periodic, make_policy
 from beaconkv.policies.registry import policy_names, policy_parameters
 from beaconkv.policies.selection import select_keep
 from beaconkv.sampling import RowSampling, SamplingParams
 from beaconkv.session import Session
+
+from ..dispatch import run_graphs_outside_dispatch_modes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,22 +60,6 @@ def _guarded_run(model, policy, kv_storage, compile_config):
         for _ in range(SYNC_STEPS):
             tokens = session.step(tokens, sampling, noise)
     return session
-
-
-def _outside_dispatch_modes(compiled):
-    """``compiled`` whose graphs run with the active dispatch modes suspended."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    def make(fn, config, device):
-        graph = compiled(fn, config, device)
-
-        def call(*args):
-            with _disable_current_modes():
-                return graph(*args)
-
-        return call
-
-    return make
 
 
 @contextlib.contextmanager
@@ -118,7 +103,7 @@ def test_decode_and_eviction_never_wait_for_the_device(tiny_models, llama, name,
     if compile_config is not None:
         # dynamo runs no frame under a dispatch mode: the graphs run (and compile) outside the guard —
         # fullgraph=True already refuses a sync inside a graph — and the guard checks the host code around them
-        monkeypatch.setattr(compiled_module, "compiled", _outside_dispatch_modes(compiled_module.compiled))
+        run_graphs_outside_dispatch_modes(monkeypatch)
     session = _guarded_run(model, policy, kv_storage, compile_config)
     evictions = session.state.stats.evictions
     assert evictions == [0, 0] if base == "full" else min(evictions) >= 1, evictions

@@ -68,6 +68,7 @@ class PlainLayer:
         return self.history[rows], torch.where(mask, qpos, -1), mask
 
     def ring_at(self, rows, positions):
+        rows = torch.arange(self.batch) if rows is None else rows
         at = positions.clamp(0, self.query_window - 1)
         held = (positions >= 0) & torch.gather(self.written[rows], 1, at)
         return torch.gather(self.history[rows], 2, at[:, None, :, None].expand(-1, self.n_heads, -1, self.head_dim)), held
