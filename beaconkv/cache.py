@@ -10,12 +10,13 @@ Layout of one layer (:class:`LayerKVCache`), all buffers allocated once:
   slots ``0 .. length-1``.
 * ``length``: ``(batch,)`` filled slots per sequence (the same for every KV head of a sequence,
   because every eviction keeps the same number of tokens per head).
-* ``queries`` / ``query_pos``: an optional ring of the last ``query_window`` **pre-RoPE** queries per
-  query head, slot ``position % query_window``; policies read their observation windows from it.
 * ``active``: ``(batch,)`` bool, shared by every layer of a :class:`KVCache`: the rows that decode.
   A slot pool's idle rows write nothing that counts (their slot stays empty, their length fixed).
-* slot buffers: per-slot tensors a policy registers (e.g. H2O's accumulated attention); they move
-  with the keys on compaction.
+
+The cache is a store: it holds keys, values and positions and moves them when told. What a policy
+observes (pre-RoPE queries, attention weights, per-slot scores) is the policy's own, handed to it by
+attention through the layer's observer (:mod:`beaconkv.observation`); a per-slot tensor that must move
+with the keys rides along on :meth:`LayerKVCache.compact` (its ``carry``).
 
 The attention ↔ cache contract (what :class:`~beaconkv.models.attention.Attention` calls, and what
 any replacement attention must call to keep every policy working) is declared once, as the protocol
@@ -23,10 +24,9 @@ any replacement attention must call to keep every policy working) is declared on
 cache-like class implements it: :class:`LayerKVCache`, the prefill view :class:`LayerRows`, and
 :class:`~beaconkv.cache_stack.LayerStack`:
 
-1. prefill: :meth:`LayerKVCache.write_prefill` with the prompt's post-RoPE keys, values and pre-RoPE
-   queries (after Qwen3's ``q_norm``);
-2. decode: :meth:`LayerKVCache.append` with the step's key, value and pre-RoPE query, then
-   :meth:`LayerKVCache.attend` with the step's (rotated) query: attention over every filled slot.
+1. prefill: :meth:`LayerKVCache.write_prefill` with the prompt's post-RoPE keys and values;
+2. decode: :meth:`LayerKVCache.append` with the step's key and value, then :meth:`LayerKVCache.attend`
+   with the step's (rotated) query: attention over every filled slot, with its weights when asked.
 
 Both decode calls have static shapes, write in place and never read the device from the host, so the
 whole decode step compiles into one graph (and a CUDA graph).
@@ -36,7 +36,7 @@ The policy decides *what* to keep; :meth:`LayerKVCache.compact` does the moving.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -54,22 +54,23 @@ class CacheCapacityError(BeaconKVError, ValueError):
 class LayerCache(Protocol):
     """What an attention layer needs from its layer's cache: the whole attention ↔ cache contract.
 
-    Keys arrive post-RoPE, at their absolute positions; queries arrive pre-RoPE (after Qwen3's
-    ``q_norm``) as well, because eviction policies observe them. Decode calls have static shapes and
-    write in place, so a decode step compiles into one graph.
+    Keys arrive post-RoPE, at their absolute positions. Decode calls have static shapes and write in
+    place, so a decode step compiles into one graph. (Queries go to the layer's observer, not here:
+    see :mod:`beaconkv.observation`.)
     """
 
-    def write_prefill(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
-        """Writes right-padded prompts: keys ``(b, kv_heads, L, head_dim)``, values, pre-RoPE queries
-        ``(b, heads, L, head_dim)``, positions ``(b, L)`` and ``valid`` ``(b, L)`` (False on padding)."""
+    def write_prefill(self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor) -> None:
+        """Writes right-padded prompts: keys ``(b, kv_heads, L, head_dim)``, values, positions ``(b, L)``
+        and ``valid`` ``(b, L)`` (False on padding)."""
 
-    def append(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor) -> None:
-        """Writes one decode token per row: key and value ``(batch, kv_heads, 1, head_dim)``, its pre-RoPE
-        query ``(batch, heads, 1, head_dim)`` and positions ``(batch,)``."""
+    def append(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        """Writes one decode token per row: key and value ``(batch, kv_heads, 1, head_dim)`` at positions
+        ``(batch,)``."""
 
-    def attend(self, q: Tensor, scale: float) -> Tensor:
+    def attend(self, q: Tensor, scale: float, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
         """Attention of the step's rotated queries ``(batch, heads, 1, head_dim)`` over every filled slot,
-        after :meth:`append`; returns ``(batch, heads, 1, head_dim)``."""
+        after :meth:`append`: ``(out (batch, heads, 1, head_dim), weights)``, the weights
+        ``(batch, kv_heads, group, capacity)`` when ``need_weights`` (else None)."""
 
 
 @runtime_checkable
@@ -88,10 +89,7 @@ class LayerKVCache(nn.Module):
 
     Args:
         storage: Holds the keys and values (its sizes are the cache's).
-        n_heads: Query heads (for the query ring and the GQA grouping).
-        query_window: Length of the pre-RoPE query ring (0: no ring).
-        track_attention: Whether :meth:`attend` must report decode attention weights through
-            :attr:`attention_hook` (policies that observe attention, such as H2O).
+        n_heads: Query heads (for the GQA grouping).
 
     Invariants:
         * ``length[b] <= capacity``; slots ``>= length[b]`` have ``pos == -1``.
@@ -99,28 +97,18 @@ class LayerKVCache(nn.Module):
         * Kept K/V are the values written for those positions (bit-identical in dense storage).
     """
 
-    def __init__(self, storage: KVStorage, n_heads: int, query_window: int = 0, track_attention: bool = False) -> None:
+    def __init__(self, storage: KVStorage, n_heads: int) -> None:
         super().__init__()
         if n_heads % storage.n_kv_heads:
             raise CacheCapacityError(f"n_heads={n_heads} is not a multiple of n_kv_heads={storage.n_kv_heads}.")
         self.storage = storage
         self.batch, self.n_kv_heads, self.n_heads = storage.batch, storage.n_kv_heads, n_heads
-        self.capacity, self.head_dim, self.query_window = storage.capacity, storage.head_dim, query_window
-        self.track_attention = track_attention
+        self.capacity, self.head_dim = storage.capacity, storage.head_dim
         device = storage.device
         shape = (self.batch, self.n_kv_heads, self.capacity)
         self.register_buffer("pos", torch.full(shape, -1, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("length", torch.zeros(self.batch, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("active", torch.ones(self.batch, dtype=torch.bool, device=device), persistent=False)
-        qshape = (self.batch, n_heads, query_window, self.head_dim)
-        self.register_buffer("queries", torch.zeros(qshape, dtype=storage.dtype, device=device), persistent=False)
-        self.register_buffer("query_pos", torch.full((self.batch, query_window), -1, dtype=torch.long, device=device),
-                             persistent=False)
-        self.slot_buffers: dict[str, Tensor] = {}
-        #: Called as ``hook(q_pre, positions, valid, rows)`` at prefill (a policy's prefill observation).
-        self.prefill_hook: Callable[[Tensor, Tensor, Tensor, Tensor], None] | None = None
-        #: Called as ``hook(weights)`` with decode attention weights ``(batch, kv_heads, group, capacity)``.
-        self.attention_hook: Callable[[Tensor], None] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -133,14 +121,12 @@ class LayerKVCache(nn.Module):
         return self.n_heads // self.n_kv_heads
 
     # ------------------------------------------------------------------------------- writes
-    def write_prefill(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor, valid: Tensor,
-                      rows: Tensor | None = None) -> None:
+    def write_prefill(self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor, rows: Tensor | None = None) -> None:
         """Writes (right-padded) prompts into slots ``0 .. L-1`` of some sequences, emptying the rest.
 
         Args:
             k: Post-RoPE keys ``(b, kv_heads, L, head_dim)``.
             v: Values, same shape.
-            q_pre: Pre-RoPE queries ``(b, heads, L, head_dim)``.
             positions: ``(b, L)`` absolute positions.
             valid: ``(b, L)`` bool, False on padding.
             rows: ``(b,)`` the sequences written (None: all, ``b == batch``).
@@ -166,27 +152,8 @@ class LayerKVCache(nn.Module):
         else:
             self.pos[rows] = pos
             self.length[rows] = lengths
-        for buf in self.slot_buffers.values():
-            buf[rows_t] = 0
-        if self.query_window:
-            self._write_prefill_queries(q_pre, lengths, rows_t)
-        if self.prefill_hook is not None:
-            self.prefill_hook(q_pre, positions, valid, rows_t)
 
-    def _write_prefill_queries(self, q_pre: Tensor, lengths: Tensor, rows: Tensor) -> None:
-        """Puts the last ``query_window`` prompt queries of each sequence into the ring."""
-        R = self.query_window
-        slots = torch.arange(R, device=lengths.device)
-        last = lengths[:, None] - 1  # (b, 1)
-        # the latest prompt position p <= last with p % R == slot
-        p = last - torch.remainder(last - slots, R)  # (b, R)
-        ok = p >= 0
-        idx = p.clamp(min=0)
-        gathered = torch.gather(q_pre, 2, idx[:, None, :, None].expand(-1, q_pre.shape[1], -1, q_pre.shape[3]))
-        self.queries[rows] = torch.where(ok[:, None, :, None], gathered, 0).to(self.queries.dtype)
-        self.query_pos[rows] = torch.where(ok, p, -1)
-
-    def append(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor) -> None:
+    def append(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
         """Writes one decode token per sequence at slot ``length[b]``.
 
         Static shapes, in place, no host sync. The caller (the policy) guarantees a free slot for
@@ -196,7 +163,6 @@ class LayerKVCache(nn.Module):
         Args:
             k: Post-RoPE key ``(batch, kv_heads, 1, head_dim)``.
             v: Value, same shape.
-            q_pre: Pre-RoPE query ``(batch, heads, 1, head_dim)``.
             positions: ``(batch,)`` absolute position of the new token.
         """
         B = k.shape[0]
@@ -205,50 +171,33 @@ class LayerKVCache(nn.Module):
         held = torch.where(self.active, positions, -1)
         index = slot.view(B, 1, 1).expand(B, self.n_kv_heads, 1)
         self.pos.scatter_(2, index, held.view(B, 1, 1).expand(B, self.n_kv_heads, 1))
-        for buf in self.slot_buffers.values():
-            buf.scatter_(2, index, 0)
         self.length.add_(self.active.long())
-        if self.query_window:
-            qslot = torch.remainder(positions, self.query_window).view(B, 1)
-            self.queries.scatter_(
-                2, qslot.view(B, 1, 1, 1).expand(B, self.n_heads, 1, self.head_dim), q_pre.to(self.queries.dtype)
-            )
-            self.query_pos.scatter_(1, qslot, held.view(B, 1))
 
-    def attend(self, q: Tensor, scale: float) -> Tensor:
+    def last_slot(self) -> Tensor:
+        """``(batch,)`` the slot the latest :meth:`append` wrote in each row (an idle row's: the one it
+        would write), for per-slot tensors kept beside the cache (an observer's)."""
+        return (self.length - self.active.long()).clamp(max=self.capacity - 1)
+
+    def attend(self, q: Tensor, scale: float, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
         """Attention of the step's rotated queries over every filled slot (call after :meth:`append`).
 
         Args:
             q: ``(batch, heads, 1, head_dim)`` post-RoPE queries.
             scale: Logit scale.
+            need_weights: Also return the attention weights (an explicit softmax instead of a fused
+                kernel where the storage has one).
 
         Returns:
-            ``(batch, heads, 1, head_dim)``.
+            ``(out (batch, heads, 1, head_dim), weights (batch, kv_heads, group, capacity) or None)``;
+            empty slots carry weight 0.
         """
         # the GQA group plays the role of the query length: no repeat of K/V needed. A view, not einops:
         # this runs once per layer and step, and eager decoding feels every microsecond of overhead.
         B = q.shape[0]
         qg = q.view(B, self.n_kv_heads, self.group, self.head_dim)  # b (kv g) 1 d -> b kv g d
         mask = (self.pos >= 0).unsqueeze(2)  # (batch, kv_heads, 1, capacity)
-        out, weights = self.storage.attend(qg, mask, scale, need_weights=self.track_attention)
-        if weights is not None and self.attention_hook is not None:
-            self.attention_hook(weights)
-        return out.view(B, self.n_heads, 1, self.head_dim)  # b kv g d -> b (kv g) 1 d
-
-    def register_slot_buffer(self, name: str, dtype: torch.dtype = torch.float32) -> Tensor:
-        """Allocates a zeroed per-slot buffer ``(batch, kv_heads, capacity)`` that moves with the keys.
-
-        Args:
-            name: Key of the buffer in :attr:`slot_buffers`.
-            dtype: Its dtype.
-
-        Returns:
-            The buffer (mutate it in place).
-        """
-        buf = torch.zeros(self.pos.shape, dtype=dtype, device=self.pos.device)
-        self.slot_buffers[name] = buf
-        self.register_buffer(f"slot_{name}", buf, persistent=False)  # among the module's buffers too
-        return buf
+        out, weights = self.storage.attend(qg, mask, scale, need_weights=need_weights)
+        return out.view(B, self.n_heads, 1, self.head_dim), weights  # b kv g d -> b (kv g) 1 d
 
     # ------------------------------------------------------------------------------- reads
     def keys(self, rows: Tensor | None = None) -> Tensor:
@@ -273,41 +222,8 @@ class LayerKVCache(nn.Module):
         """All values in the compute dtype; see :meth:`values`."""
         return self.storage.values()
 
-    def ring(self, rows: Tensor, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Pre-RoPE queries of the ring whose positions lie in ``(lo, hi]``.
-
-        Args:
-            rows: ``(b,)`` sequences.
-            lo: ``(b,)`` exclusive lower position bound.
-            hi: ``(b,)`` inclusive upper position bound.
-
-        Returns:
-            ``(queries (b, heads, R, head_dim), positions (b, R), mask (b, R))``.
-        """
-        q = self.queries[rows]
-        qpos = self.query_pos[rows]
-        mask = (qpos >= 0) & (qpos > lo[:, None]) & (qpos <= hi[:, None])
-        return q, qpos, mask
-
-    def ring_at(self, rows: Tensor | None, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Pre-RoPE queries of the ring at given positions.
-
-        Args:
-            rows: ``(b,)`` sequences (None: every row, read in place: no copy of the ring).
-            positions: ``(b, n)`` positions (any; those the ring no longer or never held come back unheld).
-
-        Returns:
-            ``(queries (b, heads, n, head_dim), held (b, n))``: ``held`` is False where the ring does not
-            hold that position (its query there is whatever the slot holds).
-        """
-        slots = positions.remainder(self.query_window)
-        queries, query_pos = (self.queries, self.query_pos) if rows is None else (self.queries[rows], self.query_pos[rows])
-        held = torch.gather(query_pos, 1, slots) == positions
-        idx = slots[:, None, :, None].expand(-1, self.n_heads, -1, self.head_dim)
-        return torch.gather(queries, 2, idx), held
-
     # ------------------------------------------------------------------------------- moves
-    def compact(self, rows: Tensor, keep: Tensor, keep_valid: Tensor) -> None:
+    def compact(self, rows: Tensor, keep: Tensor, keep_valid: Tensor, carry: Sequence[Tensor] = ()) -> None:
         """Keeps the given slots of some sequences, moved to the front in the given (position) order.
 
         Args:
@@ -315,12 +231,14 @@ class LayerKVCache(nn.Module):
             keep: ``(b, kv_heads, K)`` slot indices to keep, sorted by position.
             keep_valid: ``(b, kv_heads, K)`` bool; False entries are dropped (they must come last, and
                 every KV head of a sequence must keep the same number of slots).
+            carry: Per-slot tensors ``(batch, kv_heads, capacity)`` kept beside the cache (a policy's
+                accumulated scores) that move with the keys; their emptied slots become 0.
         """
         self.storage.compact(rows, keep)
         # whole rows written through an index tensor: in place for those rows only once compiled
         # (a slice assignment, pos[rows, :, :K] = ..., rewrites the whole buffer)
         tail = self.capacity - keep.shape[-1]
-        for buf, empty in ((self.pos, -1), *((b, 0) for b in self.slot_buffers.values())):
+        for buf, empty in ((self.pos, -1), *((b, 0) for b in carry)):
             kept = torch.where(keep_valid, torch.gather(buf[rows], 2, keep), empty)
             buf.index_put_((rows,), torch.cat([kept, kept.new_full((*kept.shape[:2], tail), empty)], 2))
         self.length[rows] = keep_valid[:, 0].sum(-1)
@@ -359,8 +277,6 @@ class KVCache(nn.Module):
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        query_window: int = 0,
-        track_attention: bool = False,
         storage: str | type[KVStorage] = "dense",
         storage_dtype: torch.dtype | None = None,
     ) -> KVCache:
@@ -375,8 +291,6 @@ class KVCache(nn.Module):
             head_dim: Width of a head.
             dtype: Compute dtype (the model's).
             device: Where the buffers live.
-            query_window: Pre-RoPE query ring length (0: none).
-            track_attention: Report decode attention weights (see :class:`LayerKVCache`).
             storage: ``"dense"``, ``"int8"`` or a :class:`~beaconkv.storage.KVStorage` subclass.
             storage_dtype: Dtype a dense storage keeps keys and values in (None: ``dtype``).
 
@@ -389,7 +303,7 @@ class KVCache(nn.Module):
         return cls([
             LayerKVCache(
                 make_storage(storage, batch, n_kv_heads, capacity, head_dim, dtype, device, storage_dtype),
-                n_heads, query_window, track_attention,
+                n_heads,
             )
             for _ in range(n_layers)
         ])
@@ -435,11 +349,11 @@ class LayerRows:
     def __init__(self, layer: LayerKVCache, rows: Tensor) -> None:
         self.layer, self.rows = layer, rows
 
-    def write_prefill(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
+    def write_prefill(self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor) -> None:
         """Writes ``b`` prompts into this view's rows (see :meth:`LayerKVCache.write_prefill`)."""
-        self.layer.write_prefill(k, v, q_pre, positions, valid, rows=self.rows)
+        self.layer.write_prefill(k, v, positions, valid, rows=self.rows)
 
-    def append(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor) -> None:
+    def append(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
         """Refused: a rows view only prefills; decode steps run every row of the whole cache.
 
         Raises:
@@ -447,7 +361,7 @@ class LayerRows:
         """
         raise _decode_refused()
 
-    def attend(self, q: Tensor, scale: float) -> Tensor:
+    def attend(self, q: Tensor, scale: float, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
         """Refused, as :meth:`append`.
 
         Raises:

@@ -4,10 +4,11 @@
 caller that decodes goes through it — :func:`beaconkv.generate`, the continuous-batching engine, the
 fidelity study — so they all run the same steps:
 
-1. **allocate** — :class:`~beaconkv.cache.KVCache` with the policy's ring and the chosen storage
-   (``"dense"``, ``"int8"``), and the policy's :class:`~beaconkv.policies.PolicyState`;
+1. **allocate** — :class:`~beaconkv.cache.KVCache` with the chosen storage (``"dense"``, ``"int8"``),
+   and the policy's :class:`~beaconkv.policies.PolicyState` with its observers (query rings);
 2. **prefill** — :meth:`Session.prefill` admits rows (all, or some rows of a slot pool), writes
-   their prompts through :meth:`~beaconkv.models.CausalLM.prefill` and lets the policy act;
+   their prompts through :meth:`~beaconkv.models.CausalLM.prefill` (the cache stores keys and values,
+   the state's observers see the queries) and lets the policy act;
 3. **decode** — :meth:`Session.step` runs one decode step for every row (model, in-place cache
    write, attention, each row's own sampling: :func:`decode_and_sample`, through the executor — one
    graph when compiled), then the policy's between-step work (evictions when due);
@@ -28,20 +29,27 @@ from torch import Tensor
 from .cache import KVCache
 from .execution import CompileConfig, make_executor, resolve_compile_config
 from .models.decoder import CausalLM, decode_layers
+from .observation import LayerObserver
 from .policies.base import EvictionPolicy, FullKV
 from .preparation import PreparedModel
 from .sampling import RowSampling, sample_rows
 from .storage import KVStorage
 
 
+Observers = tuple[LayerObserver | None, ...] | None
+"""Each layer's observer in a decode step (None for a layer nobody observes; None: no layer is observed)."""
+
+
 def decode_and_sample(
-    model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor, sampling: RowSampling, noise: Tensor | None
+    model: CausalLM, cache: KVCache, observers: Observers, tokens: Tensor, positions: Tensor, sampling: RowSampling,
+    noise: Tensor | None,
 ) -> Tensor:
     """One decode step for the whole batch and the next tokens (the body of the compiled decode step).
 
     Args:
         model: The model.
         cache: The cache (written in place).
+        observers: Each layer's observer (the policy's; see :attr:`Session.observers`).
         tokens: ``(batch,)`` newest tokens.
         positions: ``(batch,)`` their positions.
         sampling: Each row's sampling parameters (tensors; its ``mode`` is a constant of the graph).
@@ -51,13 +59,13 @@ def decode_and_sample(
     Returns:
         ``(batch,)`` int64 next tokens.
     """
-    logits = model.decode_step(tokens, positions, cache)
+    logits = model.decode_step(tokens, positions, cache, observers)
     return sample_rows(logits, sampling, noise)
 
 
-def decode_logits(model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor) -> Tensor:
+def decode_logits(model: CausalLM, cache: KVCache, observers: Observers, tokens: Tensor, positions: Tensor) -> Tensor:
     """One decode step returning the float32 logits ``(batch, vocab)`` (teacher forcing, measurement)."""
-    return model.decode_step(tokens, positions, cache)
+    return model.decode_step(tokens, positions, cache, observers)
 
 
 def sample_logits(model: CausalLM, x: Tensor, sampling: RowSampling, noise: Tensor | None) -> Tensor:
@@ -104,15 +112,16 @@ class Session:
             computes in the model's dtype.
         compile: Run the decode step and the policy's device work as compiled graphs (see
             :class:`~beaconkv.execution.CompileConfig`).
-        observe_attention: Make the attention report decode weights through each layer cache's
-            ``attention_hook`` even if the policy does not observe them (measurement).
-        query_window: Keep at least this many pre-RoPE queries per head in the cache's ring
+        query_window: Keep at least this many pre-RoPE queries per head in the observers' rings
             (measurement; the policy's own need is always met).
 
     Attributes:
         model: The model the session runs.
         cache: The cache.
-        state: The policy's state.
+        state: The policy's state (its :attr:`~beaconkv.policies.state.PolicyState.observers` see every
+            layer's queries).
+        observers: What the decode step hands each layer to report to: the state's observer of that
+            layer, or None where it observes nothing during decoding (None: no layer).
         policy_s: Host seconds spent in the policy between steps.
     """
 
@@ -127,7 +136,6 @@ class Session:
         kv_storage: str | type[KVStorage] = "dense",
         cache_dtype: torch.dtype | None = None,
         compile: bool | CompileConfig = False,
-        observe_attention: bool = False,
         query_window: int = 0,
     ) -> None:
         cfg = model.config
@@ -137,12 +145,12 @@ class Session:
         self.decoder, policy_executor = make_executor(resolve_compile_config(compile), self.device)
         self.cache = KVCache.allocate(
             cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.num_attention_heads, capacity, cfg.head_dim,
-            dtype=model.dtype, device=self.device,
-            query_window=max(self.policy.query_window(max_tokens or capacity), query_window),
-            track_attention=self.policy.track_attention or observe_attention, storage=kv_storage,
-            storage_dtype=cache_dtype,
+            dtype=model.dtype, device=self.device, storage=kv_storage, storage_dtype=cache_dtype,
         )
-        self.state = self.policy.create_state(self.cache, model.rope, policy_executor)  # no row admitted yet
+        self.state = self.policy.create_state(self.cache, model.rope, policy_executor, max_tokens=max_tokens,
+                                              query_window=query_window)  # no row admitted yet
+        watched = tuple(o if o.observes_decode else None for o in self.state.observers)
+        self.observers: Observers = watched if any(o is not None for o in watched) else None
         self.decoder.prepare(self.cache, self.state)
         self.policy_s = 0.0
 
@@ -154,8 +162,7 @@ class Session:
         Args:
             prepared: What :func:`~beaconkv.preparation.prepare_model` made.
             policy: The policy (None = FullKV).
-            **kwargs: ``batch``, ``capacity``, ``max_tokens``, ``kv_storage``, ``observe_attention``,
-                ``query_window`` (see the class).
+            **kwargs: ``batch``, ``capacity``, ``max_tokens``, ``kv_storage``, ``query_window`` (see the class).
         """
         return cls(prepared.model, policy, cache_dtype=prepared.cache_dtype, compile=prepared.compile or False,
                    **kwargs)
@@ -171,8 +178,7 @@ class Session:
             policy: The policy (None = FullKV).
             prompt_lengths: Prompt length of each row.
             new_tokens: Tokens each row may add.
-            **kwargs: ``kv_storage``, ``cache_dtype``, ``compile``, ``observe_attention``, ``query_window``
-                (see the class).
+            **kwargs: ``kv_storage``, ``cache_dtype``, ``compile``, ``query_window`` (see the class).
         """
         policy = policy if policy is not None else FullKV()
         lengths = list(prompt_lengths)
@@ -214,8 +220,12 @@ class Session:
         rows = list(range(len(prompts))) if rows is None else list(rows)
         self.admit(rows, [len(p) for p in prompts])
         ids, valid = pad_prompts(prompts, self.device)
-        target = self.cache if rows == list(range(self.batch)) else self.cache.rows(self.state.index(rows))
-        logits = self.model.prefill(ids, valid, target)
+        if rows == list(range(self.batch)):
+            target, observers = self.cache, self.state.observers
+        else:
+            rows_t = self.state.index(rows)
+            target, observers = self.cache.rows(rows_t), [o.rows(rows_t) for o in self.state.observers]
+        logits = self.model.prefill(ids, valid, target, observers)
         self.after_prefill(rows)
         return logits
 
@@ -246,7 +256,8 @@ class Session:
         if self._by_layer:
             nxt = self.decoder.run(sample_logits, self.model, self._run_layers(tokens), sampling, noise)
         else:
-            nxt = self.decoder.run(decode_and_sample, self.model, self.cache, tokens, self.positions, sampling, noise)
+            nxt = self.decoder.run(decode_and_sample, self.model, self.cache, self.observers, tokens, self.positions,
+                                   sampling, noise)
         self.after_step()
         return nxt
 
@@ -256,7 +267,7 @@ class Session:
         if self._by_layer:
             logits = self.decoder.run(last_logits, self.model, self._run_layers(tokens))
         else:
-            logits = self.decoder.run(decode_logits, self.model, self.cache, tokens, self.positions)
+            logits = self.decoder.run(decode_logits, self.model, self.cache, self.observers, tokens, self.positions)
         self.after_step()
         return logits
 
@@ -273,7 +284,8 @@ class Session:
         k = self.decoder.config.block_size(len(layers))
         for i in range(0, len(layers), k):
             block = range(i, min(i + k, len(layers)))
-            x = run(decode_layers, layers[i:i + k], x, positions, rotary, tuple(self.cache[j] for j in block))
+            observers = None if self.observers is None else self.observers[i:i + k]
+            x = run(decode_layers, layers[i:i + k], x, positions, rotary, tuple(self.cache[j] for j in block), observers)
         return x
 
     def after_step(self) -> None:

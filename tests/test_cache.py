@@ -31,11 +31,11 @@ def test_a_rows_view_prefills_and_refuses_to_decode():
     cache = _cache()
     view = cache.rows(torch.tensor([1]))[0]
     k = torch.randn(1, 2, 3, 8)
-    view.write_prefill(k, k, torch.randn(1, 4, 3, 8), torch.arange(3)[None], torch.ones(1, 3, dtype=torch.bool))
+    view.write_prefill(k, k, torch.arange(3)[None], torch.ones(1, 3, dtype=torch.bool))
     assert cache[0].length.tolist() == [0, 3]
     one = torch.randn(2, 2, 1, 8)
     with pytest.raises(CacheCapacityError, match="only prefills"):
-        view.append(one, one, torch.randn(2, 4, 1, 8), torch.tensor([3, 3]))
+        view.append(one, one, torch.tensor([3, 3]))
     with pytest.raises(CacheCapacityError, match="only prefills"):
         view.attend(torch.randn(2, 4, 1, 8), 1.0)
 
@@ -46,16 +46,17 @@ class ListCache:
     def __init__(self) -> None:
         self.k = self.v = None
 
-    def write_prefill(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
+    def write_prefill(self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor) -> None:
         self.k, self.v = k, v
 
-    def append(self, k: Tensor, v: Tensor, q_pre: Tensor, positions: Tensor) -> None:
+    def append(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
         self.k, self.v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
 
-    def attend(self, q: Tensor, scale: float) -> Tensor:
+    def attend(self, q: Tensor, scale: float, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
         group = q.shape[1] // self.k.shape[1]
         k, v = self.k.repeat_interleave(group, 1), self.v.repeat_interleave(group, 1)
-        return torch.softmax(q @ k.transpose(-1, -2) * scale, -1) @ v
+        weights = torch.softmax(q @ k.transpose(-1, -2) * scale, -1)
+        return weights @ v, (weights.view(q.shape[0], self.k.shape[1], group, -1) if need_weights else None)
 
 
 def test_a_cache_of_ones_own_runs_the_model_through_the_declared_contract(tiny_models):

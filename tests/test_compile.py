@@ -78,7 +78,7 @@ class DecayedAttention(EvictionPolicy):
     state_class: ClassVar[type[PolicyState]] = DecayState
 
     def init_state(self, state):
-        state.layers = [layer.register_slot_buffer("decayed") for layer in state.cache.layers]
+        state.layers = [layer.register_slot_buffer("decayed") for layer in state.observers]
         state.observed = torch.zeros(state.batch, device=state.device)
 
     def observe_attention(self, state, running, weights):

@@ -162,7 +162,7 @@ def analyze_trace(
     held_pos: list[Tensor] = []
     frozen = torch.zeros(n_tokens, dtype=torch.bool)
     top_keys: dict[tuple[int, int, int], list[int]] = {}
-    ref = run.reference.cache
+    ref = [o.ring_buffer for o in run.reference.state.observers]  # the reference's rings hold every query
     run.prefill()
     for s in tqdm(range(n_tokens), desc=f"analyze {trace.name}", unit="tok", disable=not progress):
         held = _held_queries(state)
@@ -184,7 +184,7 @@ def analyze_trace(
         cls = glob.view(*w.shape[:-1], 1).expand_as(w).long()
         valid = (kp >= 0).unsqueeze(-2).expand_as(w)
         mass_by_distance.scatter_add_(0, (cls * n_bins + bins)[valid], w[valid].double())
-        q_now = torch.stack([layer.queries[0, :, t] for layer in ref.layers])  # (L, H, D) pre-RoPE
+        q_now = torch.stack([ring.queries[0, :, t] for ring in ref])  # (L, H, D) pre-RoPE
         if held is not None:
             cos = torch.nn.functional.cosine_similarity(q_now.unsqueeze(2), hq.float(), dim=-1)  # (L, H, n)
             cos = cos.masked_fill(hp < 0, -float("inf")).amax(-1)
@@ -194,7 +194,7 @@ def analyze_trace(
             kp_h = kp.repeat_interleave(w.shape[2], dim=1)  # (L, H, C)
             for layer, head in glob.nonzero().tolist():
                 top_keys[(s, layer, head)] = sorted(kp_h[layer, head, top[layer, head]].tolist())
-    queries = torch.stack([layer.queries[0, :, :P] for layer in ref.layers]).float()  # (L, H, P, D)
+    queries = torch.stack([ring.queries[0, :, :P] for ring in ref]).float()  # (L, H, P, D)
     return TraceAnalysis(
         trace=trace.name, prompt_len=len(trace.prompt_ids), rule=rule, policy=repr(pol), distance=distance,
         is_global=is_global, is_global_la=is_global_la, recall=recall, prompt_mass=prompt_mass, beacon_cos=beacon_cos,

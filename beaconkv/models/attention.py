@@ -3,17 +3,20 @@
 Three call modes share one module:
 
 * plain causal forward (no cache) for full-sequence logits;
-* prefill: the same attention over the prompt, then the keys (post-RoPE), values and pre-RoPE
-  queries are written to the layer's cache (:meth:`~beaconkv.cache.LayerKVCache.write_prefill`);
+* prefill: the same attention over the prompt, then the keys (post-RoPE) and values are written to
+  the layer's cache (:meth:`~beaconkv.cache.LayerKVCache.write_prefill`) and the pre-RoPE queries
+  handed to the layer's observer (:meth:`~beaconkv.observation.LayerObserver.prefill`);
 * decode: one token per sequence, appended to the cache in place
-  (:meth:`~beaconkv.cache.LayerKVCache.append`), then attention over every filled slot
-  (:meth:`~beaconkv.cache.LayerKVCache.attend`), with static shapes.
+  (:meth:`~beaconkv.cache.LayerKVCache.append`), attention over every filled slot
+  (:meth:`~beaconkv.cache.LayerKVCache.attend`, with its weights when the observer needs them), then
+  the step's pre-RoPE query and weights to the observer (:meth:`~beaconkv.observation.LayerObserver.decode`);
+  static shapes throughout.
 
-That is the whole attention ↔ cache contract: a replacement attention that makes the same three
+That is the whole attention ↔ cache ↔ observer contract: a replacement attention that makes the same
 calls keeps every eviction policy and every storage (dense, int8) working.
 
 Qwen3 applies ``q_norm``/``k_norm`` per head *before* RoPE; the pre-RoPE query handed to the
-cache is taken after ``q_norm``, so eviction policies see what the model rotates. The rotary
+observer is taken after ``q_norm``, so eviction policies see what the model rotates. The rotary
 tables (``cos``, ``sin``) come from the decoder, computed once per forward for all layers.
 """
 
@@ -27,6 +30,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from ..cache import LayerCache
+from ..observation import LayerObserver
 from .rope import RotaryEmbedding
 
 #: ``(cos, sin)``, each ``(batch, seq, head_dim)`` float32: the rotary tables of one forward.
@@ -97,6 +101,7 @@ class Attention(nn.Module):
         valid: Tensor | None = None,
         cache: LayerCache | None = None,
         decode: bool = False,
+        observer: LayerObserver | None = None,
     ) -> Tensor:
         """Attends ``x`` of shape ``(batch, seq, hidden)``.
 
@@ -107,6 +112,7 @@ class Attention(nn.Module):
             valid: ``(batch, seq)`` bool, False on right padding (None: all valid).
             cache: The layer's cache (any :class:`~beaconkv.cache.LayerCache`); None for a plain forward.
             decode: ``seq == 1`` decode step against ``cache`` (else prefill/plain).
+            observer: Who observes this layer (a policy; see :mod:`beaconkv.observation`); None: nobody.
 
         Returns:
             ``(batch, seq, hidden)``.
@@ -115,13 +121,17 @@ class Attention(nn.Module):
         q_pre, q, k, v = self.project(x, rotary)
         if decode:
             assert cache is not None, "decode needs a cache"
-            cache.append(k, v, q_pre, positions[:, 0])
-            out = cache.attend(q, self.scale)
+            cache.append(k, v, positions[:, 0])
+            out, weights = cache.attend(q, self.scale, need_weights=observer is not None and observer.needs_weights)
+            if observer is not None:
+                observer.decode(q_pre, positions[:, 0], weights)
         else:
             if valid is None:
                 valid = torch.ones(B, L, dtype=torch.bool, device=x.device)
             if cache is not None:
-                cache.write_prefill(k, v, q_pre, positions, valid)
+                cache.write_prefill(k, v, positions, valid)
+            if observer is not None:
+                observer.prefill(q_pre, positions, valid)
             causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
             mask = causal[None, None] & valid[:, None, None, :]  # (batch, 1, L, L)
             out = F.scaled_dot_product_attention(

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from ..cache import LayerCache, ModelCache
 from ..execution.compiled import inputs_never_alias
+from ..observation import LayerObserver, ModelObserver
 from .attention import Attention, Rotary
 from .config import ModelConfig
 from .layers import RMSNorm, SwiGLUMLP
@@ -46,9 +47,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = post_attention_layernorm
 
     def forward(self, x: Tensor, positions: Tensor, rotary: Rotary, valid: Tensor | None, cache: LayerCache | None,
-                decode: bool) -> Tensor:
-        """Applies the block (see :meth:`Attention.forward` for the arguments)."""
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, valid, cache, decode)
+                decode: bool, observer: LayerObserver | None = None) -> Tensor:
+        """Applies the block (see :meth:`Attention.forward` for the arguments). ``observer`` is passed on only
+        when there is one, so an attention written before observers existed still runs unobserved."""
+        h = self.input_layernorm(x)
+        if observer is None:
+            x = x + self.self_attn(h, positions, rotary, valid, cache, decode)
+        else:
+            x = x + self.self_attn(h, positions, rotary, valid, cache, decode, observer=observer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -82,11 +88,14 @@ class DecoderModel(nn.Module):
         valid: Tensor | None = None,
         cache: ModelCache | None = None,
         decode: bool = False,
+        observers: ModelObserver | None = None,
     ) -> Tensor:
-        """Returns the final hidden states ``(batch, seq, hidden)``."""
+        """Returns the final hidden states ``(batch, seq, hidden)``; layer ``i`` writes ``cache[i]`` and
+        reports to ``observers[i]`` (see :mod:`beaconkv.observation`)."""
         x, rotary = self.embed(input_ids, positions)  # the tables once for all layers
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, rotary, valid, None if cache is None else cache[i], decode)
+            x = layer(x, positions, rotary, valid, None if cache is None else cache[i], decode,
+                      None if observers is None else observers[i])
         return self.norm(x)
 
 
@@ -139,25 +148,29 @@ class CausalLM(nn.Module):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         return self.lm_head(self.model(input_ids, positions, valid)).float()
 
-    def prefill(self, input_ids: Tensor, valid: Tensor, cache: ModelCache) -> Tensor:
+    def prefill(self, input_ids: Tensor, valid: Tensor, cache: ModelCache, observers: ModelObserver | None = None
+                ) -> Tensor:
         """Runs right-padded prompts, fills ``cache`` and returns each sequence's last-token logits.
 
         Args:
             input_ids: ``(batch, L)`` prompt ids, right-padded.
             valid: ``(batch, L)`` bool, False on padding.
             cache: The generation's cache (capacity >= L).
+            observers: Who observes each layer's prompt queries (a policy's state's
+                :attr:`~beaconkv.policies.state.PolicyState.observers`); None: nobody.
 
         Returns:
             ``(batch, vocab)`` float32 logits at each prompt's last real token.
         """
         B, L = input_ids.shape
         positions = torch.arange(L, device=input_ids.device).expand(B, -1)
-        hidden = self.model(input_ids, positions, valid, cache)
+        hidden = self.model(input_ids, positions, valid, cache, observers=observers)
         last = valid.sum(-1) - 1  # (batch,)
         h_last = hidden[torch.arange(B, device=hidden.device), last]
         return self.lm_head(h_last).float()
 
-    def decode_step(self, tokens: Tensor, positions: Tensor, cache: ModelCache) -> Tensor:
+    def decode_step(self, tokens: Tensor, positions: Tensor, cache: ModelCache,
+                    observers: ModelObserver | None = None) -> Tensor:
         """One decode step for the whole batch: static shapes, in-place cache writes.
 
         It is :meth:`decode_inputs`, :func:`decode_layers` over the layers, then :meth:`decode_logits`:
@@ -167,12 +180,15 @@ class CausalLM(nn.Module):
             tokens: ``(batch,)`` the newest token of each sequence.
             positions: ``(batch,)`` its absolute position.
             cache: The generation's cache.
+            observers: Who observes each layer's step (None: nobody; see :meth:`prefill`).
 
         Returns:
             ``(batch, vocab)`` float32 logits.
         """
         x, positions_2d, rotary = self.decode_inputs(tokens, positions)
-        x = decode_layers(tuple(self.model.layers), x, positions_2d, rotary, tuple(cache[i] for i in range(len(cache))))
+        n = len(cache)
+        x = decode_layers(tuple(self.model.layers), x, positions_2d, rotary, tuple(cache[i] for i in range(n)),
+                          None if observers is None else tuple(observers[i] for i in range(n)))
         return self.decode_logits(x)
 
     def decode_inputs(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Rotary]:
@@ -188,15 +204,15 @@ class CausalLM(nn.Module):
 
 @inputs_never_alias
 def decode_layers(layers: tuple[nn.Module, ...], x: Tensor, positions: Tensor, rotary: Rotary,
-                  caches: tuple[LayerCache, ...]) -> Tensor:
+                  caches: tuple[LayerCache, ...], observers: tuple[LayerObserver | None, ...] | None = None) -> Tensor:
     """Consecutive decoder layers of a decode step (see :meth:`CausalLM.decode_step`), each appending to and
-    attending over its own layer's cache in ``caches``.
+    attending over its own layer's cache in ``caches`` and reporting to its observer in ``observers``.
 
     Every layer runs the same code with the same shapes, so a compiled step compiles this once for a
     block of layers and calls it for every block. Its tensors (the layers' weights, their cache buffers,
     the step's activations) are separate allocations: they never alias."""
-    for layer, cache in zip(layers, caches):
-        x = layer(x, positions, rotary, None, cache, True)
+    for layer, cache, observer in zip(layers, caches, observers or (None,) * len(layers)):
+        x = layer(x, positions, rotary, None, cache, True, observer)
     return x
 
 

@@ -2,7 +2,9 @@
 
 Every policy subclasses :class:`EvictionPolicy` (a dataclass of settings) and returns per-slot
 scores; protection of the prefix and recent tokens, top-k and in-place compaction are shared. What a
-policy remembers while decoding lives in the :class:`PolicyState` it creates for a cache. Build one
+policy remembers while decoding lives in the :class:`PolicyState` it creates for a cache, with one
+:class:`ObservedLayer` per layer: what the policy sees of it (the cache's keys and positions, its own
+query ring and per-slot buffers), and what attention reports the layer's queries to. Build one
 by class or by name with :func:`make_policy`. When it evicts and how much survives is its ``schedule``
 (:class:`AtBudget`, the default; :class:`Buffered`; :class:`Periodic`), which any scorer takes. The building blocks of the shipped policies (the keep
 selection, BeaconKV's state, the query set) stay in their modules
@@ -16,6 +18,7 @@ from .event_beacon import EventBeaconKV
 from .group_beacon import GroupBeaconKV
 from .h2o import H2O
 from .memory_beacon import MemoryBeaconKV
+from .observer import ObservedLayer, QueryRing
 from .registry import (
     make_policy,
     policy_class,
@@ -36,9 +39,9 @@ __all__ = [
     # the policies (every registered one)
     "BeaconKV", "EventBeaconKV", "FullKV", "GroupBeaconKV", "H2O", "InitialRecent", "MemoryBeaconKV", "RKV", "RPC",
     "SnapKV", "StreamingLLM",
-    # writing a policy: the base classes, its state and records, the query samplers
-    "ContinualFPS", "EvictionPolicy", "EvictionRecord", "FPS", "KMeans", "NaiveFPS", "PolicyState", "PolicyStats",
-    "QuerySampler", "RecentWindowPolicy",
+    # writing a policy: the base classes, its state and records, what it sees of a layer, the query samplers
+    "ContinualFPS", "EvictionPolicy", "EvictionRecord", "FPS", "KMeans", "NaiveFPS", "ObservedLayer", "PolicyState",
+    "PolicyStats", "QueryRing", "QuerySampler", "RecentWindowPolicy",
     # when a policy evicts and how much it keeps: the schedules
     "AtBudget", "Buffered", "Periodic", "Schedule", "parse_schedule",
     # the registry: names -> policies

@@ -28,11 +28,14 @@ Lifecycle, driven by :class:`beaconkv.session.Session` (for :func:`beaconkv.gene
 the fidelity study alike):
 
 1. :meth:`EvictionPolicy.capacity` sizes the cache from the prompt lengths;
-2. :meth:`EvictionPolicy.create_state` allocates the state for the cache (per-layer tensors, hooks);
-3. :meth:`EvictionPolicy.admit` starts some rows; the prefill writes their prompts (calling
-   :meth:`observe_prefill` per layer), then :meth:`after_prefill` runs — it evicts at once a prompt
-   already over the budget;
-4. each decode step writes one key and one pre-RoPE query per row in place (static shapes), then
+2. :meth:`EvictionPolicy.create_state` allocates the state for the cache: per-layer tensors, and one
+   :class:`~beaconkv.policies.observer.ObservedLayer` per layer (the query ring, per-slot buffers), the
+   observers the session hands the model;
+3. :meth:`EvictionPolicy.admit` starts some rows; the prefill writes their prompts, and attention hands
+   each layer's prompt queries to its observer (which runs :meth:`observe_prefill` through the state's
+   executor); then :meth:`after_prefill` runs — it evicts at once a prompt already over the budget;
+4. each decode step writes one key per row into the cache and one pre-RoPE query per row into the
+   observers' rings, in place (static shapes; :meth:`observe_attention` sees the weights), then
    :meth:`after_decode_step` runs on the host: it advances the schedule (plain integers, so no
    device read is needed to know when to evict) and evicts the rows its schedule says are due;
 5. :meth:`EvictionPolicy.release` ends rows (a finished request leaves its slot).
@@ -44,7 +47,6 @@ compiled graphs: the same methods on the same state either way.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import KW_ONLY, dataclass
@@ -53,9 +55,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..cache import KVCache, LayerKVCache
+from ..cache import KVCache
 from ..execution import Executor
 from .config import PolicyConfigError, check_int, check_number
+from .observer import ObservedLayer, QueryRing
 from .schedules import AtBudget, Schedule, parse_schedule, protected_scores
 from .selection import select_keep
 from .state import EvictionRecord, PolicyState, PolicyStats
@@ -152,8 +155,13 @@ class EvictionPolicy:
         window of recent queries leaves the window too)."""
         return self.n_recent
 
+    @property
+    def observes_prefill(self) -> bool:
+        """Whether the policy overrides :meth:`observe_prefill` (its observers then run it at every prefill)."""
+        return type(self).observe_prefill is not EvictionPolicy.observe_prefill
+
     def query_window(self, max_tokens: int) -> int:
-        """How many recent pre-RoPE queries per head the cache must keep in its ring (0: none).
+        """How many recent pre-RoPE queries per head each layer's observer keeps in its ring (0: none).
 
         Args:
             max_tokens: The longest sequence (prompt + new tokens) the cache will see.
@@ -196,28 +204,40 @@ class EvictionPolicy:
         return max(min(peak, longest), max(prompt_lengths))
 
     # ------------------------------------------------------------------------------- state
-    def create_state(self, cache: KVCache, rope: Any, executor: Executor | None = None) -> PolicyState:
-        """Allocates this policy's state for ``cache`` and installs the cache's hooks.
+    def create_state(self, cache: KVCache, rope: Any, executor: Executor | None = None, *,
+                     max_tokens: int | None = None, query_window: int = 0) -> PolicyState:
+        """Allocates this policy's state for ``cache``, with one observer per layer.
 
         Args:
-            cache: A freshly allocated cache (sized by :meth:`capacity`, ring by :meth:`query_window`).
+            cache: A freshly allocated cache (sized by :meth:`capacity`).
             rope: The model's rotary module.
             executor: Runs the device functions (default: eagerly).
+            max_tokens: The longest sequence a row will hold (sizes the query ring through
+                :meth:`query_window`; default: the cache's capacity).
+            query_window: Keep at least this many pre-RoPE queries per head (measurement); the policy's
+                own need is always met.
 
         Returns:
-            The state; no row is admitted yet (see :meth:`admit`).
+            The state; no row is admitted yet (see :meth:`admit`). Its
+            :attr:`~beaconkv.policies.state.PolicyState.observers` are what the model's prefill and
+            decode steps report to.
         """
         state = self.state_class.allocate(cache, rope, executor)
         cache.active.fill_(False)  # no row decodes until admitted (the state owns the mask from here)
+        window = max(self.query_window(max_tokens or cache.capacity), query_window)
+        state.observers = [
+            ObservedLayer(self, state, layer, QueryRing(layer.batch, layer.n_heads, window, layer.head_dim,
+                                                         layer.dtype, cache.device) if window else None)
+            for layer in cache.layers
+        ]
         self.init_state(state)
-        for i, layer in enumerate(cache.layers):
-            layer.prefill_hook = functools.partial(self.observe_prefill, state, state.layers[i])
-            if self.track_attention:
-                layer.attention_hook = functools.partial(self.observe_attention, state, state.layers[i])
+        for observer, layer_state in zip(state.observers, state.layers):
+            observer.layer_state = layer_state
         return state
 
     def init_state(self, state: PolicyState) -> None:
-        """Allocates the policy's own state (per-layer tensors in ``state.layers``). Default: nothing."""
+        """Allocates the policy's own state (per-layer objects in ``state.layers``; per-slot tensors through
+        each observer's :meth:`~beaconkv.policies.observer.ObservedLayer.register_slot_buffer`). Default: nothing."""
 
     # ------------------------------------------------------------------------------- lifecycle
     def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int]) -> None:
@@ -288,7 +308,7 @@ class EvictionPolicy:
         K = max(totals)
         run = state.executor.run
         if state.executor.layerwise:
-            for i, layer in enumerate(state.cache.layers):
+            for i, layer in enumerate(state.observers):
                 kept = run(type(self).evict_layer, self, state, state.layers[i], layer, rows_t, t, n_prefix,
                            keep_total, K)
                 self._record(state, i, rows, rows_t, t, kept)
@@ -305,7 +325,7 @@ class EvictionPolicy:
         state.stats.eviction_seconds += time.perf_counter() - t0
 
     def evict_layer(
-        self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor, n_prefix: Tensor,
+        self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor, n_prefix: Tensor,
         keep_total: Tensor, K: int,
     ) -> Tensor:
         """Scores, selects and compacts some rows of one layer: a device function (compiled as one graph).
@@ -313,7 +333,7 @@ class EvictionPolicy:
         Args:
             state: The policy's state.
             layer_state: ``state.layers[i]`` of this layer.
-            cache: The layer's cache.
+            cache: The layer as the policy observes it (its cache and the policy's observations).
             rows: ``(b,)`` row indices.
             t: ``(b,)`` newest positions.
             n_prefix: ``(b,)`` protected prefix lengths.
@@ -335,11 +355,11 @@ class EvictionPolicy:
     ) -> list[Tensor]:
         """:meth:`evict_layer` over every layer, as one device function (one CUDA-graph replay)."""
         return [self.evict_layer(state, state.layers[i], layer, rows, t, n_prefix, keep_total, K)
-                for i, layer in enumerate(state.cache.layers)]
+                for i, layer in enumerate(state.observers)]
 
     def _record(self, state: PolicyState, i: int, rows: list[int], rows_t: Tensor, t: Tensor, kept: Tensor) -> None:
         if self.telemetry:
-            observed = self.observed_positions(state, state.layers[i], state.cache[i], rows_t, t)
+            observed = self.observed_positions(state, state.layers[i], state.observers[i], rows_t, t)
             state.stats.telemetry.append(EvictionRecord(state.step, i, list(rows), kept.cpu(), observed))
 
     def keep_count(self, state: PolicyState, rows: list[int]) -> list[int]:
@@ -352,6 +372,9 @@ class EvictionPolicy:
                         rows: Tensor) -> None:
         """Sees one layer's prompt queries at prefill. Default: nothing.
 
+        A device function: the layer's observer runs it through the state's executor (compiled with the
+        policy's evictions), after the cache and the query ring took the prompts.
+
         Args:
             state: The state.
             layer_state: ``state.layers[i]`` of the layer.
@@ -363,7 +386,8 @@ class EvictionPolicy:
 
     def observe_attention(self, state: PolicyState, layer_state: Any, weights: Tensor) -> None:
         """Sees one layer's decode attention weights ``(batch, kv_heads, group, capacity)`` (with
-        ``track_attention = True``); runs inside the decode step, so device ops only. Default: nothing."""
+        ``track_attention = True``), from the layer's observer after this step's query went into its ring;
+        runs inside the decode step, so device ops only. Default: nothing."""
 
     def on_prefill_done(self, state: PolicyState, rows: list[int]) -> None:
         """Host hook after the prefill of ``rows``, before any eviction. Default: nothing."""
@@ -377,20 +401,21 @@ class EvictionPolicy:
     def after_count_change(self, state: PolicyState, rows: list[int]) -> None:
         """Host hook after every change of the evictable counts (decode step or eviction). Default: nothing."""
 
-    def observed_positions(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor,
+    def observed_positions(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor,
                            t: Tensor) -> Tensor | None:
         """Positions of the queries used for scoring (telemetry). Default: None."""
         return None
 
-    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
         """Scores every cached slot of the given rows; higher = keep. A device function: read tensors only.
 
         Args:
             state: The policy's state.
             layer_state: ``state.layers[i]`` of this layer (None unless the policy keeps per-layer state).
-            cache: The layer's cache (read :meth:`~beaconkv.cache.LayerKVCache.keys`,
-                :meth:`~beaconkv.cache.LayerKVCache.positions`, :meth:`~beaconkv.cache.LayerKVCache.ring`
-                at ``rows``).
+            cache: The layer as the policy observes it (read
+                :meth:`~beaconkv.policies.observer.ObservedLayer.keys`,
+                :meth:`~beaconkv.policies.observer.ObservedLayer.positions`,
+                :meth:`~beaconkv.policies.observer.ObservedLayer.ring` at ``rows``).
             rows: ``(b,)`` row indices being evicted.
             t: ``(b,)`` position of the newest token of each.
 
@@ -417,6 +442,6 @@ class FullKV(EvictionPolicy):
     def __repr__(self) -> str:
         return "FullKV()"
 
-    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor,
+    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor,
               t: Tensor) -> Tensor:  # pragma: no cover
         raise RuntimeError("FullKV never evicts")

@@ -21,8 +21,8 @@ arrived *now*, where would it look?" (SPEC §4):
 Where the queries the beacons are drawn from live is a :class:`~beaconkv.policies.lifecycles.QueryLifecycle`,
 chosen by the sampler: a bounded observation set (Continual FPS, steps 1, 2 and 6) or the whole
 query history (Naive FPS, K-Means). Queries are stored per query head, pre-RoPE (after Qwen3's
-``q_norm``), and re-rotated with the model's own rotary module. Pending decode queries live in the
-cache's query ring until the host folds them in, so the decode step itself stays a plain in-place write.
+``q_norm``), and re-rotated with the model's own rotary module. Pending decode queries live in each
+layer's query ring (the policy's observer of the layer) until the host folds them in, so the decode step itself stays a plain in-place write.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..cache import LayerKVCache
+from .observer import ObservedLayer
 from .base import EvictionPolicy
 from .config import PolicyConfigError, check_choice, check_int, check_number
 from .lifecycles import BoundedObservation, QueryHistory, QueryLifecycle, ring_set
@@ -53,12 +53,12 @@ class BeaconLayer:
     Attributes:
         beacons: ``(batch, heads, n_beacon, head_dim)`` frozen beacons.
         obs: ``(batch, heads, B_min^Q, head_dim)`` observation set (bounded lifecycle; None otherwise).
-        cache: The layer's cache.
+        cache: The layer (its cache and the policy's observations of it).
     """
 
     beacons: QuerySet
     obs: QuerySet | None = None
-    cache: LayerKVCache | None = None
+    cache: ObservedLayer | None = None
 
 
 @dataclass(eq=False)
@@ -170,14 +170,14 @@ class BeaconKV(EvictionPolicy):
     # ------------------------------------------------------------------------------- state
     def init_state(self, state: PolicyState) -> None:
         assert isinstance(state, BeaconState)
-        cache = state.cache
-        shapes = {(c.n_heads, c.head_dim, c.dtype) for c in cache.layers}
+        cache, layers = state.cache, state.observers
+        shapes = {(c.n_heads, c.head_dim, c.dtype) for c in layers}
         if len(shapes) > 1:
             raise PolicyConfigError(
                 f"BeaconKV samples the queries of all layers at once and needs every layer to have the same "
                 f"(query heads, head_dim, dtype); this cache has {sorted(shapes, key=str)}."
             )
-        first = cache[0]
+        first = layers[0]
         state.beacons = QuerySet.empty(first.batch, self.set_heads(first), self.n_beacon, first.head_dim, first.dtype,
                                        cache.device, layers=len(cache))
         B = state.batch
@@ -186,7 +186,7 @@ class BeaconKV(EvictionPolicy):
         state.recent_since_dev = torch.zeros(B, dtype=torch.long, device=cache.device)
         self.lifecycle.init(self, state)
         obs = state.obs.unbind() if state.obs is not None else [None] * len(cache)
-        state.layers = [BeaconLayer(b, o, c) for b, o, c in zip(state.beacons.unbind(), obs, cache.layers)]
+        state.layers = [BeaconLayer(b, o, c) for b, o, c in zip(state.beacons.unbind(), obs, layers)]
 
     def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int]) -> None:
         super().admit(state, rows, prompt_lengths)
@@ -208,7 +208,7 @@ class BeaconKV(EvictionPolicy):
         """Query vectors held per query head for each row (the paper's Fig. 7 memory): at most
         ``B_max^Q`` with a bounded sampler, the whole history (``t + 1``) otherwise. A set shared by a
         GQA group counts ``1 / group`` per query head."""
-        share = state.cache[0].n_heads // self.set_heads(state.cache[0])
+        share = state.observers[0].n_heads // self.set_heads(state.observers[0])
         out = []
         for b in range(state.batch):
             stored, pending = self.lifecycle.held(self, state, b) if state.live[b] else (0, 0)
@@ -284,18 +284,18 @@ class BeaconKV(EvictionPolicy):
         state.obs_since_dev[rows_t] = state.t_dev[rows_t]
 
     # ------------------------------------------------------------------------------- variants' hooks
-    def set_heads(self, cache: LayerKVCache) -> int:
+    def set_heads(self, cache: ObservedLayer) -> int:
         """Heads of the stored query sets: one set per query head (a variant may share one per KV head)."""
         return cache.n_heads
 
-    def candidates(self, queries: QuerySet, cache: LayerKVCache) -> QuerySet:
+    def candidates(self, queries: QuerySet, cache: ObservedLayer) -> QuerySet:
         """Queries as the sets sample them, from per-query-head queries ``(..., heads, n, head_dim)``.
 
         Identity here; a variant that shares one set per KV head regroups them.
         """
         return queries
 
-    def scoring_beacons(self, state: PolicyState, layer_state: BeaconLayer, cache: LayerKVCache,
+    def scoring_beacons(self, state: PolicyState, layer_state: BeaconLayer, cache: ObservedLayer,
                         rows: Tensor) -> QuerySet:
         """The stored queries scored at ``t`` for some rows, one set per query head ``(b, heads, n, head_dim)``."""
         return layer_state.beacons.rows(rows)
@@ -323,7 +323,7 @@ class BeaconKV(EvictionPolicy):
 
     # ------------------------------------------------------------------------------- scoring
     def observation_queries(
-        self, state: PolicyState, layer_state: BeaconLayer, cache: LayerKVCache, rows: Tensor, t: Tensor
+        self, state: PolicyState, layer_state: BeaconLayer, cache: ObservedLayer, rows: Tensor, t: Tensor
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The rotated queries BeaconKV scores with at an eviction.
 
@@ -350,7 +350,7 @@ class BeaconKV(EvictionPolicy):
         source = torch.cat([beacons.pos[:, 0], recent.pos[:, 0]], dim=1)
         return q_rot, q_mask, q_pos, source
 
-    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
         """Step 4: attention of beacons (at ``t``) and recent queries (at their positions) over the cache,
         aggregated over queries and the GQA group."""
         q_rot, q_mask, q_pos, _ = self.observation_queries(state, layer_state, cache, rows, t)
@@ -362,7 +362,7 @@ class BeaconKV(EvictionPolicy):
         per_head = reduce_queries(w, q_mask, self.aggregation, self.temperature)  # (b, kv_heads, group, C)
         return reduce_group(per_head, self.aggregation, self.temperature)
 
-    def observed_positions(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor,
+    def observed_positions(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor,
                            t: Tensor) -> Tensor:
         _, q_mask, _, source = self.observation_queries(state, layer_state, cache, rows, t)
         return torch.where(q_mask, source, -1).cpu()

@@ -21,7 +21,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from ..cache import LayerKVCache
+from .observer import ObservedLayer
 from .beacon import BeaconKV, BeaconLayer, BeaconState
 from .config import check_int, check_number
 from .query_set import QuerySet
@@ -88,7 +88,7 @@ class EventBeaconKV(BeaconKV):
     def init_state(self, state: PolicyState) -> None:
         super().init_state(state)
         assert isinstance(state, EventState)
-        first = state.cache[0]
+        first = state.observers[0]
         L = len(state.cache)
         state.events = QuerySet.empty(first.batch, first.n_heads, self.n_events, first.head_dim, first.dtype,
                                       state.device, layers=L)
@@ -106,7 +106,7 @@ class EventBeaconKV(BeaconKV):
 
     def observe_attention(self, state: PolicyState, layer_state: Any, weights: Tensor) -> None:
         """Takes this step's far-looking queries of one layer into its event ring (device ops only)."""
-        cache: LayerKVCache = layer_state.cache
+        cache: ObservedLayer = layer_state.cache
         t = state.positions  # the position this decode step writes (the state advances after the step)
         pos = cache.positions()  # (batch, kv, capacity)
         far = (pos >= state.prefix_dev[:, None, None]) & (pos >= 0) & (pos <= (t - self.event_window)[:, None, None])
@@ -127,7 +127,7 @@ class EventBeaconKV(BeaconKV):
         if layer_state.events is state.layers[0].events:  # count once per step, on layer 0
             state.flagged.add_(flag.long().sum(-1))
 
-    def scoring_beacons(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor) -> QuerySet:
+    def scoring_beacons(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor) -> QuerySet:
         """The regular beacons and the event beacons, all rotated to the current position at scoring."""
         return QuerySet.cat(super().scoring_beacons(state, layer_state, cache, rows), layer_state.events.rows(rows))
 

@@ -17,7 +17,7 @@ from typing import ClassVar
 from einops import rearrange, repeat
 from torch import Tensor
 
-from ..cache import LayerKVCache
+from .observer import ObservedLayer
 from .beacon import BeaconKV, BeaconLayer
 from .query_set import QuerySet
 from .state import PolicyState
@@ -32,10 +32,10 @@ class GroupBeaconKV(BeaconKV):
 
     name: ClassVar[str] = "beacon_group"
 
-    def set_heads(self, cache: LayerKVCache) -> int:
+    def set_heads(self, cache: ObservedLayer) -> int:
         return cache.n_kv_heads
 
-    def candidates(self, queries: QuerySet, cache: LayerKVCache) -> QuerySet:
+    def candidates(self, queries: QuerySet, cache: ObservedLayer) -> QuerySet:
         """``(..., heads, n, d)`` -> ``(..., kv_heads, group * n, d)``: a group's queries, pooled."""
         if queries.pos.shape[-2] == cache.n_kv_heads:  # already grouped (the sets themselves)
             return queries
@@ -46,7 +46,7 @@ class GroupBeaconKV(BeaconKV):
             rearrange(queries.valid, "... (kv g) n -> ... kv (g n)", kv=kv),
         )
 
-    def scoring_beacons(self, state: PolicyState, layer_state: BeaconLayer, cache: LayerKVCache,
+    def scoring_beacons(self, state: PolicyState, layer_state: BeaconLayer, cache: ObservedLayer,
                         rows: Tensor) -> QuerySet:
         """Each KV head's shared set, seen by every query head of its group ``(b, heads, n, d)``."""
         shared = layer_state.beacons.rows(rows)

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..cache import LayerKVCache
+from .observer import ObservedLayer
 from .base import EvictionPolicy
 from .config import check_number
 from .state import PolicyState
@@ -65,12 +65,12 @@ class H2O(EvictionPolicy):
         return 0 if self.b_min is None else math.floor(self.recent_ratio * self.b_min)
 
     def init_state(self, state: PolicyState) -> None:
-        state.layers = [layer.register_slot_buffer(ACC) for layer in state.cache.layers]
+        state.layers = [layer.register_slot_buffer(ACC) for layer in state.observers]
 
     def observe_attention(self, state: PolicyState, acc: Tensor, weights: Tensor) -> None:
         # weights: (batch, kv_heads, group, capacity); empty slots carry 0
         acc.add_(weights.sum(2).to(acc.dtype))
 
-    def score(self, state: PolicyState, acc: Tensor, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+    def score(self, state: PolicyState, acc: Tensor, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
         recent = cache.positions(rows) > (t - self.n_recent_h2o)[:, None, None]
         return torch.where(recent, math.inf, acc[rows])

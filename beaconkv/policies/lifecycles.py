@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ..cache import LayerKVCache
+from .observer import ObservedLayer
 from .query_set import QuerySet
 from .samplers import QuerySampler
 from .state import PolicyState
@@ -42,13 +42,13 @@ class BeaconKV(Protocol):
 
     def sample(self, state: Any, candidates: QuerySet, k: int) -> QuerySet: ...  # noqa: D102
 
-    def set_heads(self, cache: LayerKVCache) -> int: ...  # noqa: D102
+    def set_heads(self, cache: ObservedLayer) -> int: ...  # noqa: D102
 
-    def candidates(self, queries: QuerySet, cache: LayerKVCache) -> QuerySet: ...  # noqa: D102
+    def candidates(self, queries: QuerySet, cache: ObservedLayer) -> QuerySet: ...  # noqa: D102
 
 
-def ring_set(cache: LayerKVCache, rows: Tensor, lo: Tensor, hi: Tensor) -> QuerySet:
-    """The cache ring's queries with positions in ``(lo, hi]`` as a :class:`QuerySet` (per head)."""
+def ring_set(cache: ObservedLayer, rows: Tensor, lo: Tensor, hi: Tensor) -> QuerySet:
+    """The ring's queries with positions in ``(lo, hi]`` as a :class:`QuerySet` (per head)."""
     q, qpos, mask = cache.ring(rows, lo, hi)
     H = q.shape[1]
     return QuerySet(q, qpos[:, None].expand(-1, H, -1), mask[:, None].expand(-1, H, -1))
@@ -68,15 +68,15 @@ def ring_since(state: PolicyState, rows: list[int], rows_t: Tensor, since: list[
         since: Host, per row of ``rows``: exclusive lower bound.
         since_dev: Device ``(batch,)`` mirror of the bound for every row.
     """
-    cache = state.cache
-    n = max(min(max(state.t[b] - s for b, s in zip(rows, since)), cache[0].query_window), 0)
+    layers = state.observers
+    n = max(min(max(state.t[b] - s for b, s in zip(rows, since)), layers[0].query_window), 0)
     pos = state.t_dev[rows_t][:, None] - n + 1 + torch.arange(n, device=rows_t.device)  # (b, n)
-    read = [c.ring_at(rows_t, pos) for c in cache.layers]
+    read = [c.ring_at(rows_t, pos) for c in layers]
     held = read[0][1]  # every layer's ring holds the same positions: layer 0 tells
     valid = held & (pos > since_dev[rows_t][:, None])
     pos = torch.where(valid, pos, -1)
     q = torch.stack([queries for queries, _ in read])
-    shape = (len(cache), len(rows), cache[0].n_heads, n)
+    shape = (len(layers), len(rows), layers[0].n_heads, n)
     return QuerySet(q, pos[None, :, None].expand(shape), valid[None, :, None].expand(shape))
 
 
@@ -129,7 +129,7 @@ class BoundedObservation(QueryLifecycle):
         return max(policy.q_max, policy.n_recent, 1)
 
     def init(self, policy: BeaconKV, state: Any) -> None:
-        first = state.cache[0]
+        first = state.observers[0]
         state.obs = QuerySet.empty(first.batch, policy.set_heads(first), policy.q_min, first.head_dim, first.dtype,
                                    state.device, layers=len(state.cache))
 
@@ -150,7 +150,7 @@ class BoundedObservation(QueryLifecycle):
     def compress(self, policy: BeaconKV, state: Any, rows: list[int]) -> None:
         rows_t = state.index(rows)
         pending = policy.candidates(ring_since(state, rows, rows_t, [state.obs_since[b] for b in rows],
-                                               state.obs_since_dev), state.cache[0])
+                                               state.obs_since_dev), state.observers[0])
         state.obs.assign(rows_t, policy.sample(state, QuerySet.cat(state.obs.rows(rows_t), pending), policy.q_min))
         for b in rows:
             state.obs_count[b] = min(state.obs_count[b] + state.t[b] - state.obs_since[b], policy.q_min)
@@ -159,12 +159,12 @@ class BoundedObservation(QueryLifecycle):
 
     def freeze_candidates(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> QuerySet:
         pending = policy.candidates(ring_since(state, rows, rows_t, [state.obs_since[b] for b in rows],
-                                               state.obs_since_dev), state.cache[0])
+                                               state.obs_since_dev), state.observers[0])
         return QuerySet.cat(state.obs.rows(rows_t), pending)
 
     def roll(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> None:
         recent = policy.candidates(ring_since(state, rows, rows_t, [state.recent_since[b] for b in rows],
-                                              state.recent_since_dev), state.cache[0])
+                                              state.recent_since_dev), state.observers[0])
         state.obs.assign(rows_t, policy.sample(state, QuerySet.cat(state.beacons.rows(rows_t), recent), policy.q_min))
         for b in rows:
             state.obs_count[b] = min(policy.n_beacon + state.t[b] - state.recent_since[b], policy.q_min)
@@ -185,7 +185,7 @@ class QueryHistory(QueryLifecycle):
 
     def freeze_candidates(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> QuerySet:
         history = ring_since(state, rows, rows_t, [-1] * len(rows), torch.full_like(state.t_dev, -1))
-        return policy.candidates(history, state.cache[0])
+        return policy.candidates(history, state.observers[0])
 
     def held(self, policy: BeaconKV, state: Any, row: int) -> tuple[int, int]:
         return 0, state.t[row] + 1  # the whole history lives in the ring

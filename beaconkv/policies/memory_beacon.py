@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..cache import LayerKVCache
+from .observer import ObservedLayer
 from .beacon import BeaconKV, BeaconLayer
 from .config import check_number
 from .state import PolicyState
@@ -62,7 +62,7 @@ class MemoryBeaconKV(BeaconKV):
         state.layers = [MemoryLayer(lay.beacons, lay.obs, lay.cache, lay.cache.register_slot_buffer(MEMORY))
                         for lay in state.layers]
 
-    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
         """``max(BeaconKV's score, memory * the slot's last score)``; the result is remembered."""
         now = super().score(state, layer_state, cache, rows, t)
         score = torch.maximum(now, self.memory * layer_state.remembered[rows])

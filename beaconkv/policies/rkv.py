@@ -14,7 +14,7 @@ import torch
 from einops import reduce
 from torch import Tensor
 
-from ..cache import LayerKVCache
+from .observer import ObservedLayer
 from .config import check_number
 from .scoring import group_queries, pool_slots
 from .state import PolicyState
@@ -103,7 +103,7 @@ class RKV(RecentWindowPolicy):
         check_number("threshold", self.threshold, 0.0, 1.0, hint="(a cosine similarity; default 0.5)")
 
     # ---------------------------------------------------------------- scoring
-    def importance(self, state: PolicyState, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+    def importance(self, state: PolicyState, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
         """``(b, kv_heads, capacity)`` max-pooled attention of the last ``window`` queries (see the class)."""
         q_rot, qpos, q_mask = self.window_queries(state, cache, rows, t)  # each query at its own position
         qg = group_queries(q_rot.float(), cache.n_kv_heads)
@@ -116,7 +116,7 @@ class RKV(RecentWindowPolicy):
         mean = w.sum(2) / q_mask.sum(-1).clamp(min=1)[:, None, None]
         return pool_slots(mean, self.kernel, "max")
 
-    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
         pos = cache.positions(rows)
         n_prefix = state.prefix_dev[rows][:, None, None]
         redundancy = key_redundancy(cache.keys(rows), (pos >= 0) & (pos >= n_prefix), self.threshold)

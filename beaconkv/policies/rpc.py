@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from ..cache import LayerKVCache
+from .observer import ObservedLayer
 from .config import check_choice
 from .scoring import attention_probs, pool_slots, reduce_group, reduce_queries
 from .state import PolicyState
@@ -65,7 +65,7 @@ class RPC(RecentWindowPolicy):
         check_choice("group_reduce", self.group_reduce, GROUP_REDUCES)
 
     # ---------------------------------------------------------------- scoring
-    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
         q_rot, qpos, q_mask = self.window_queries(state, cache, rows, t)  # each query at its own position
         pos = cache.positions(rows)  # (b, kv_heads, capacity)
         n_prefix = state.prefix_dev[rows][:, None, None]

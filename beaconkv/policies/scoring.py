@@ -15,16 +15,16 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from ..cache import LayerKVCache
 from .config import PolicyConfigError
+from .observer import ObservedLayer
 
 
-def last_queries(cache: LayerKVCache, rows: Tensor, t: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The last ``window`` queries (positions ``t - window + 1 .. t``) from the cache's ring.
+def last_queries(cache: ObservedLayer, rows: Tensor, t: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The last ``window`` queries (positions ``t - window + 1 .. t``) from the layer's query ring.
 
     Returns:
         ``(queries (b, heads, R, head_dim), positions (b, R), mask (b, R))``; see
-        :meth:`~beaconkv.cache.LayerKVCache.ring`.
+        :meth:`~beaconkv.policies.observer.ObservedLayer.ring`.
     """
     return cache.ring(rows, t - window, t)
 

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from ..cache import LayerKVCache
+from .observer import ObservedLayer
 from .scoring import attention_probs, pool_slots, reduce_group, reduce_queries
 from .state import PolicyState
 from .window import RecentWindowPolicy
@@ -43,7 +43,7 @@ class SnapKV(RecentWindowPolicy):
 
     name: ClassVar[str] = "snapkv"
 
-    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
         q_rot, qpos, q_mask = self.window_queries(state, cache, rows, t)  # each query at its own position
         pos = cache.positions(rows)
         w = attention_probs(

@@ -84,6 +84,9 @@ class PolicyState:
         all_rows: Device ``(batch,)``: ``arange(batch)``, the index of a full-batch operation.
         layers: Per-layer state of the policy (its own objects, e.g. views into stacked tensors; None
             for a policy without any); a device function receives ``layers[i]`` for layer ``i``.
+        observers: One :class:`~beaconkv.policies.observer.ObservedLayer` per layer: what attention reports
+            to (hand them to the model's prefill and decode steps) and what device functions receive as
+            the layer (``observers[i]`` for layer ``i``).
         stats: Counters.
         step: Decode steps run.
         peak_tokens: Most tokens any row held.
@@ -102,6 +105,7 @@ class PolicyState:
     layers: list[Any]
     stats: PolicyStats
     settled: list[int] = field(default_factory=list)
+    observers: list[Any] = field(default_factory=list)
     step: int = 0
     peak_tokens: int = 0
 
@@ -166,7 +170,8 @@ class PolicyState:
         return self.to_device(rows)
 
     def tensors(self) -> Iterator[Tensor]:
-        """Every tensor the state holds (its own fields, through lists and dataclasses; not the cache's)."""
+        """Every tensor the state holds (its own fields and its observers', through lists and dataclasses; not
+        the cache's)."""
         skip = {"cache", "rope", "executor", "stats"}
         for f in dataclasses.fields(self):
             if f.name not in skip:
@@ -185,3 +190,5 @@ def _walk(obj: Any) -> Iterator[Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from _walk(getattr(obj, f.name))
+    elif callable(getattr(obj, "tensors", None)):  # an observer: its ring and slot buffers
+        yield from obj.tensors()

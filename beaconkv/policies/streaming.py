@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..cache import LayerKVCache
+from .observer import ObservedLayer
 from .base import EvictionPolicy
 from .config import PolicyConfigError, check_int
 from .state import PolicyState
@@ -52,7 +52,7 @@ class StreamingLLM(EvictionPolicy):
                 f"use n_sink <= {max(self.b_min - self.n_recent, 0)} or a larger budget."
             )
 
-    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
+    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
         pos = cache.positions(rows)  # (b, kv_heads, capacity)
         n_prefix = state.prefix_dev[rows][:, None, None]
         sink = (pos >= n_prefix) & (pos < n_prefix + self.n_sink)

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..cache import LayerKVCache
+from .observer import ObservedLayer
 from .base import EvictionPolicy
 from .config import PolicyConfigError, check_int
 from .scoring import last_queries
@@ -51,12 +51,12 @@ class RecentWindowPolicy(EvictionPolicy):
         """``max(window, n_recent)``: a periodic schedule leaves the observation window uncompressed too."""
         return max(self.window, self.n_recent)
 
-    def observed_positions(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor,
+    def observed_positions(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor,
                            t: Tensor) -> Tensor:
         _, qpos, mask = last_queries(cache, rows, t, self.window)
         return qpos.masked_fill(~mask, -1).cpu()
 
-    def window_queries(self, state: PolicyState, cache: LayerKVCache, rows: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def window_queries(self, state: PolicyState, cache: ObservedLayer, rows: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The last ``window`` queries, each rotated to its own position.
 
         Returns:

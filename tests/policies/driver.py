@@ -11,9 +11,10 @@ from beaconkv.policies.schedules import AtBudget
 from beaconkv.policies.state import PolicyState
 
 
-def bind(policy: EvictionPolicy, cache: KVCache, rope, prompt_lengths: list[int]) -> PolicyState:
-    """The policy's state over ``cache`` with every row admitted for prompts of these lengths."""
-    state = policy.create_state(cache, rope)
+def bind(policy: EvictionPolicy, cache: KVCache, rope, prompt_lengths: list[int], **kwargs) -> PolicyState:
+    """The policy's state over ``cache`` with every row admitted for prompts of these lengths (``kwargs``:
+    :meth:`~beaconkv.policies.EvictionPolicy.create_state`'s ``max_tokens`` and ``query_window``)."""
+    state = policy.create_state(cache, rope, **kwargs)
     policy.admit(state, list(range(len(prompt_lengths))), list(prompt_lengths))
     return state
 
@@ -46,18 +47,17 @@ def drive(
     g = torch.Generator().manual_seed(seed)
     B, H, D = len(prompt_lengths), n_kv * group, head_dim
     cap = policy.capacity(prompt_lengths, steps)
-    window = policy.query_window(max(prompt_lengths) + steps)
-    cache = KVCache.allocate(n_layers, B, n_kv, H, cap, D, query_window=window,
-                             track_attention=policy.track_attention, storage=storage)
-    state = bind(policy, cache, RotaryEmbedding(D), prompt_lengths)
+    cache = KVCache.allocate(n_layers, B, n_kv, H, cap, D, storage=storage)
+    state = bind(policy, cache, RotaryEmbedding(D), prompt_lengths, max_tokens=max(prompt_lengths) + steps)
     L = max(prompt_lengths)
     valid = torch.arange(L)[None] < torch.tensor(prompt_lengths)[:, None]
     positions = torch.arange(L).expand(B, L)
     written = []  # per layer: (B, n_kv, max_pos, D) keys/values by absolute position
-    for layer in cache.layers:
+    for layer, observer in zip(cache.layers, state.observers):  # what attention does: cache, then observer
         k, v = torch.randn(B, n_kv, L, D, generator=g), torch.randn(B, n_kv, L, D, generator=g)
         q = torch.randn(B, H, L, D, generator=g)
-        layer.write_prefill(k, v, q, positions, valid)
+        layer.write_prefill(k, v, positions, valid)
+        observer.prefill(q, positions, valid)
         wk = torch.zeros(B, n_kv, L + steps, D)
         wv = torch.zeros(B, n_kv, L + steps, D)
         wk[:, :, :L], wv[:, :, :L] = k, v
@@ -67,12 +67,14 @@ def drive(
     for s in range(steps):
         before = list(state.stats.evictions)
         pos = torch.tensor(prompt_lengths) + s
-        for i, layer in enumerate(cache.layers):
+        for i, (layer, observer) in enumerate(zip(cache.layers, state.observers)):
             k, v = torch.randn(B, n_kv, 1, D, generator=g), torch.randn(B, n_kv, 1, D, generator=g)
-            layer.append(k, v, torch.randn(B, H, 1, D, generator=g), pos)
-            if layer.track_attention:
+            layer.append(k, v, pos)
+            weights = None
+            if observer.needs_weights:
                 logits = torch.randn(B, n_kv, group, cap, generator=g).masked_fill(~(layer.pos >= 0)[:, :, None], -1e9)
-                layer.attention_hook(logits.softmax(-1))
+                weights = logits.softmax(-1)
+            observer.decode(torch.randn(B, H, 1, D, generator=g), pos, weights)
             wk, wv = written[i]
             wk[torch.arange(B), :, pos] = k[:, :, 0]
             wv[torch.arange(B), :, pos] = v[:, :, 0]
@@ -136,13 +138,12 @@ class IdentityRope:
 
 def drive_hand(policy, prompt, keys_at, steps, n_kv=2, head_dim=8, attention=None):
     """Writes ``prompt`` tokens and ``steps`` decode tokens with keys ``keys_at(p, kv)`` and every query
-    ``e0``; ``attention(layer, step)`` may report decode attention. Returns the layer (its policy
-    state as ``layer.state``)."""
+    ``e0``; ``attention(layer, step)`` may report decode attention (:func:`tap`). Returns the layer as the
+    policy observes it (its :class:`~beaconkv.policies.observer.ObservedLayer`; the state is ``layer.state``)."""
     cap = policy.capacity([prompt], steps)
-    cache = KVCache.allocate(1, 1, n_kv, n_kv, cap, head_dim, query_window=policy.query_window(prompt + steps),
-                             track_attention=policy.track_attention)
-    layer = cache[0]
-    layer.state = state = bind(policy, cache, IdentityRope(), [prompt])
+    cache = KVCache.allocate(1, 1, n_kv, n_kv, cap, head_dim)
+    state = bind(policy, cache, IdentityRope(), [prompt], max_tokens=prompt + steps)
+    store, layer = cache[0], state.observers[0]
     e0 = torch.eye(head_dim)[0]
 
     def kv(ps):
@@ -150,11 +151,13 @@ def drive_hand(policy, prompt, keys_at, steps, n_kv=2, head_dim=8, attention=Non
 
     ps = list(range(prompt))
     q = e0.expand(1, n_kv, prompt, head_dim)
-    layer.write_prefill(kv(ps), kv(ps), q, torch.tensor([ps]), torch.ones(1, prompt, dtype=torch.bool))
+    store.write_prefill(kv(ps), kv(ps), torch.tensor([ps]), torch.ones(1, prompt, dtype=torch.bool))
+    layer.prefill(q, torch.tensor([ps]), torch.ones(1, prompt, dtype=torch.bool))
     policy.after_prefill(state, [0])
     for s in range(steps):
         p = prompt + s
-        layer.append(kv([p]), kv([p]), e0.expand(1, n_kv, 1, head_dim), torch.tensor([p]))
+        store.append(kv([p]), kv([p]), torch.tensor([p]))
+        layer.decode(e0.expand(1, n_kv, 1, head_dim), torch.tensor([p]), None)
         if attention is not None:
             attention(layer, s)
         policy.after_decode_step(state)
@@ -162,8 +165,15 @@ def drive_hand(policy, prompt, keys_at, steps, n_kv=2, head_dim=8, attention=Non
 
 
 def kept(layer, kv):
-    n = int(layer.length[0])
-    return layer.pos[0, kv, :n].tolist()
+    """Positions one KV head of row 0 holds (``layer``: a cache or an observed layer)."""
+    store = getattr(layer, "cache", layer)
+    n = int(store.length[0])
+    return store.pos[0, kv, :n].tolist()
+
+
+def tap(layer, weights):
+    """Hands decode attention ``weights`` to the policy's hook, as the layer's observer does after a step."""
+    layer.policy.observe_attention(layer.state, layer.layer_state, weights)
 
 
 def dull_keys(dull: dict[int, set[int]]):

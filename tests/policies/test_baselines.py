@@ -14,16 +14,17 @@ import pytest
 import torch
 
 import beaconkv
-from beaconkv.cache import KVCache, LayerKVCache
+from beaconkv.cache import KVCache
 from beaconkv.models.rope import RotaryEmbedding
 from beaconkv.policies.config import PolicyConfigError
 from beaconkv.policies.h2o import ACC, H2O
+from beaconkv.policies.observer import ObservedLayer
 from beaconkv.policies.rkv import RKV
 from beaconkv.policies.rpc import RPC
 from beaconkv.policies.snapkv import SnapKV
 from beaconkv.policies.streaming import StreamingLLM
 
-from .driver import bind, drive_hand, dull_keys, kept
+from .driver import bind, drive_hand, dull_keys, kept, tap
 
 D, N_KV, HEADS, CAP, RING = 4, 2, 4, 12, 6
 GROUP = HEADS // N_KV
@@ -40,23 +41,23 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- hand-built cache
-def hand_cache(policy, seed=0) -> tuple[LayerKVCache, torch.Tensor, torch.Tensor]:
+def hand_cache(policy, seed=0) -> tuple[ObservedLayer, torch.Tensor, torch.Tensor]:
     """A bound one-layer cache with random keys (junk in empty slots too) and a query ring larger than
-    any test window (stale ring entries must be filtered by position). The policy's state is
-    ``layer.state`` (set here for the tests)."""
+    any test window (stale ring entries must be filtered by position). The layer is the policy's
+    observer of it (``layer.cache`` the store, ``layer.ring_buffer`` the ring, ``layer.state`` the state)."""
     g = torch.Generator().manual_seed(seed)
-    cache = KVCache.allocate(1, 2, N_KV, HEADS, CAP, D, query_window=RING, track_attention=policy.track_attention)
-    layer = cache[0]
-    layer.state = bind(policy, cache, RotaryEmbedding(D), PROMPTS)
-    layer.k.copy_(torch.randn(layer.k.shape, generator=g))
-    layer.queries.copy_(torch.randn(layer.queries.shape, generator=g))
-    layer.pos.fill_(-1)
+    cache = KVCache.allocate(1, 2, N_KV, HEADS, CAP, D)
+    layer = bind(policy, cache, RotaryEmbedding(D), PROMPTS, query_window=RING).observers[0]
+    assert layer.query_window == RING
+    layer.cache.k.copy_(torch.randn(layer.cache.k.shape, generator=g))
+    layer.ring_buffer.queries.copy_(torch.randn(layer.ring_buffer.queries.shape, generator=g))
+    layer.cache.pos.fill_(-1)
     for b, heads in enumerate(POSITIONS):
         for h, ps in enumerate(heads):
-            layer.pos[b, h, : len(ps)] = torch.tensor(ps)
-        layer.length[b] = len(heads[0])
+            layer.cache.pos[b, h, : len(ps)] = torch.tensor(ps)
+        layer.cache.length[b] = len(heads[0])
         for p in range(T[b] - RING + 1, T[b] + 1):
-            layer.query_pos[b, p % RING] = p
+            layer.ring_buffer.query_pos[b, p % RING] = p
     return layer, torch.tensor([1, 0]), torch.tensor([T[1], T[0]])  # rows in reverse order on purpose
 
 
@@ -93,15 +94,15 @@ def window_queries(layer, b, t, window):
     out = []
     for p in range(t - window + 1, t + 1):
         slot = p % RING
-        if int(layer.query_pos[b, slot]) == p:
-            out.append((p, {h: rope_ref(layer.queries[b, h, slot].double(), p) for h in range(HEADS)}))
+        if int(layer.ring_buffer.query_pos[b, slot]) == p:
+            out.append((p, {h: rope_ref(layer.ring_buffer.queries[b, h, slot].double(), p) for h in range(HEADS)}))
     return out
 
 
 def attention_ref(layer, b, h_q, q, visible) -> dict[int, float]:
     """Softmax of one rotated query over the visible slots of its KV head."""
     kv = h_q // GROUP
-    return softmax_ref({j: float(q @ layer.k[b, kv, j].double()) / math.sqrt(D) for j in visible})
+    return softmax_ref({j: float(q @ layer.cache.k[b, kv, j].double()) / math.sqrt(D) for j in visible})
 
 
 def check_rows(policy, layer, rows, t, ref_fn, atol=1e-6):
@@ -121,7 +122,7 @@ def test_streaming_score_is_position_with_sinks_first():
     def ref(layer, b, kv, t):
         out = []
         for j in range(CAP):
-            p = int(layer.pos[b, kv, j])
+            p = int(layer.cache.pos[b, kv, j])
             out.append(math.inf if PROMPTS[b] <= p < PROMPTS[b] + 2 else float(p))
         return out
 
@@ -134,14 +135,14 @@ def test_h2o_hook_accumulates_group_sums_and_score_protects_recent():
     g = torch.Generator().manual_seed(1)
     steps = [torch.rand(2, N_KV, GROUP, CAP, generator=g) for _ in range(3)]
     for w in steps:
-        layer.attention_hook(w)
+        tap(layer, w)
     total = sum(w.double() for w in steps)
 
     def ref(layer, b, kv, t):
         out = []
         for j in range(CAP):
             acc = sum(float(total[b, kv, h, j]) for h in range(GROUP))
-            out.append(math.inf if int(layer.pos[b, kv, j]) > t - 3 else acc)
+            out.append(math.inf if int(layer.cache.pos[b, kv, j]) > t - 3 else acc)
         return out
 
     assert policy.n_recent_h2o == 3
@@ -157,7 +158,7 @@ def test_snapkv_score_matches_loop_reference():
         queries = window_queries(layer, b, t, 4)
         for h in range(kv * GROUP, (kv + 1) * GROUP):
             for p, q in queries:
-                visible = [j for j in range(CAP) if 0 <= int(layer.pos[b, kv, j]) <= p]
+                visible = [j for j in range(CAP) if 0 <= int(layer.cache.pos[b, kv, j]) <= p]
                 for j, w in attention_ref(layer, b, h, q[h], visible).items():
                     raw[j] += w / len(queries) / GROUP
         return pool_ref(raw, 5, "avg")
@@ -177,7 +178,7 @@ def test_rpc_score_matches_loop_reference(group_reduce):
     def per_head(layer, b, h, t):
         kv, raw = h // GROUP, [0.0] * CAP
         for p, q in window_queries(layer, b, t, 4):
-            visible = [j for j in range(CAP) if PROMPTS[b] <= int(layer.pos[b, kv, j]) <= p]
+            visible = [j for j in range(CAP) if PROMPTS[b] <= int(layer.cache.pos[b, kv, j]) <= p]
             for j, w in attention_ref(layer, b, h, q[h], visible).items():
                 raw[j] += w  # sum over the queries
         return raw
@@ -188,14 +189,14 @@ def test_rpc_score_matches_loop_reference(group_reduce):
         return pool_ref([sum(col) / len(per) for col in zip(*per)], 7, "avg")
 
     if group_reduce == "all_heads":  # one shared score per sequence needs the same positions in every KV head
-        layer.pos[:, 1] = layer.pos[:, 0]
+        layer.cache.pos[:, 1] = layer.cache.pos[:, 0]
     check_rows(policy, layer, rows, t, ref)
 
 
 def rkv_redundancy_ref(layer, b, kv, threshold):
     """R-KV's redundancy (reference code recipe) over the filled evictable slots, written out."""
-    keys = [j for j in range(CAP) if int(layer.pos[b, kv, j]) >= PROMPTS[b]]
-    unit = {j: layer.k[b, kv, j].double() / (layer.k[b, kv, j].double().norm() + 1e-8) for j in keys}
+    keys = [j for j in range(CAP) if int(layer.cache.pos[b, kv, j]) >= PROMPTS[b]]
+    unit = {j: layer.cache.k[b, kv, j].double() / (layer.cache.k[b, kv, j].double().norm() + 1e-8) for j in keys}
     S = {(i, j): (0.0 if i == j else float(unit[i] @ unit[j])) for i in keys for j in keys}
     for i in keys:
         similar = [j for j in keys if S[(i, j)] > threshold]
@@ -215,18 +216,18 @@ def test_rkv_score_matches_loop_reference(lam):
     def ref(layer, b, kv, t):
         raw = [0.0] * CAP
         queries = window_queries(layer, b, t, w_obs)
-        seen = [j for j in range(CAP) if 0 <= int(layer.pos[b, kv, j]) <= t - w_obs]
+        seen = [j for j in range(CAP) if 0 <= int(layer.cache.pos[b, kv, j]) <= t - w_obs]
         for p, q in queries:
             logits = {}
             for j in seen:  # max over the GQA group on the logits, before the softmax
-                logits[j] = max(float(q[h] @ layer.k[b, kv, j].double()) / math.sqrt(D)
+                logits[j] = max(float(q[h] @ layer.cache.k[b, kv, j].double()) / math.sqrt(D)
                                 for h in range(kv * GROUP, (kv + 1) * GROUP))
             for j, w in softmax_ref(logits).items():
                 raw[j] += w / len(queries)
         importance = pool_ref(raw, 7, "max")
         redundancy = rkv_redundancy_ref(layer, b, kv, 0.3)
         top = float(torch.finfo(torch.float32).max)  # the window: above any score, below the base's +inf
-        return [top if int(layer.pos[b, kv, j]) > t - w_obs else lam * importance[j] - (1 - lam) * redundancy[j]
+        return [top if int(layer.cache.pos[b, kv, j]) > t - w_obs else lam * importance[j] - (1 - lam) * redundancy[j]
                 for j in range(CAP)]
 
     check_rows(policy, layer, rows, t, ref)
@@ -286,9 +287,9 @@ def test_h2o_keeps_heavy_hitters_and_recent_and_moves_the_buffer():
             for h in range(2):
                 for slot in range(2, 7):
                     w[0, h, 0, slot] = 0.01 if slot == light[h] else 0.1 + 0.01 * slot
-            layer.attention_hook(w)
+            tap(layer, w)
             before.update({(h, int(p)): float(a) for h in range(2)
-                           for p, a in zip(layer.pos[0, h], layer.slot_buffers[ACC][0, h]) if p >= 0})
+                           for p, a in zip(layer.cache.pos[0, h], layer.slot_buffers[ACC][0, h]) if p >= 0})
 
     layer = drive_hand(policy, 2, lambda p, h: torch.zeros(8), steps=8, attention=attention)
     assert policy.n_recent_h2o == 3 and layer.state.stats.evictions == [1]
@@ -324,7 +325,7 @@ def test_h2o_buffer_equals_attention_recomputed_by_transformers(llama, tiny_mode
     ids = torch.tensor([prompt + out.token_ids[0][:-1]])  # the last sampled token is never fed back
     with torch.no_grad():
         attn = hf(ids, output_attentions=True).attentions  # per layer (1, heads, L, L)
-    for i, layer in enumerate(out.policy_state.cache.layers):
+    for i, layer in enumerate(out.policy_state.observers):
         decode_rows = attn[i][0, :, len(prompt):, :]  # (heads, steps, L): the decode queries
         want = decode_rows.sum(1).view(layer.n_kv_heads, -1, ids.shape[1]).sum(1)  # (kv_heads, L)
         got = layer.slot_buffers[ACC][0, :, : ids.shape[1]]

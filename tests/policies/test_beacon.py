@@ -44,10 +44,11 @@ def test_budget_128_freezes_immediately_after_each_eviction():
 
 
 def _bound_policy(policy, batch=1, n_kv=1, group=2, cap=16, D=4, window=None):
-    """A one-layer cache bound to the policy; its state is ``cache.state``."""
-    cache = KVCache.allocate(1, batch, n_kv, n_kv * group, cap, D, query_window=window or policy.query_window(cap))
+    """A one-layer cache bound to the policy; its state is ``cache.state`` (its layer as the policy sees
+    it: ``cache.state.observers[0]``)."""
+    cache = KVCache.allocate(1, batch, n_kv, n_kv * group, cap, D)
     rope = RotaryEmbedding(D)
-    cache.state = bind(policy, cache, rope, [cap // 2] * batch)
+    cache.state = bind(policy, cache, rope, [cap // 2] * batch, max_tokens=cap, query_window=window or 0)
     return cache, rope
 
 
@@ -61,15 +62,15 @@ def test_beacons_rotate_to_t_and_recent_queries_to_their_own_positions():
     g = torch.Generator().manual_seed(0)
     policy = BeaconKV(budget=8, n_beacon=2, n_recent=1, ratio=0.5)
     cache, rope = _bound_policy(policy)
-    layer = cache[0]
+    layer = cache.state.observers[0]
     H, D = layer.n_heads, layer.head_dim
     beacons = torch.randn(1, H, 2, D, generator=g)
     state = cache.state
     state.layers[0].beacons.assign(torch.tensor([0]), QuerySet(beacons, torch.tensor([[[3, 5]] * H]),
                                                                torch.ones(1, H, 2, dtype=torch.bool)))
     recent = torch.randn(1, H, 1, D, generator=g)
-    layer.queries[:, :, 11 % layer.query_window] = recent[:, :, 0]
-    layer.query_pos[0, 11 % layer.query_window] = 11
+    layer.ring_buffer.queries[:, :, 11 % layer.query_window] = recent[:, :, 0]
+    layer.ring_buffer.query_pos[0, 11 % layer.query_window] = 11
     _set_recent(state, 11, 10)
     q_rot, q_mask, q_pos, source = policy.observation_queries(state, state.layers[0], layer, torch.tensor([0]),
                                                               torch.tensor([11]))
@@ -91,10 +92,10 @@ def test_beacons_rotate_to_t_and_recent_queries_to_their_own_positions():
 def test_recent_query_is_rotated_to_its_own_position_not_t():
     policy = BeaconKV(budget=8, n_beacon=0, n_recent=2, ratio=0.5)
     cache, rope = _bound_policy(policy, group=1)
-    layer = cache[0]
+    layer = cache.state.observers[0]
     x = torch.randn(1, 1, 1, layer.head_dim)
-    layer.queries[:, :, 9 % layer.query_window] = x[:, :, 0]
-    layer.query_pos[0, 9 % layer.query_window] = 9
+    layer.ring_buffer.queries[:, :, 9 % layer.query_window] = x[:, :, 0]
+    layer.ring_buffer.query_pos[0, 9 % layer.query_window] = 9
     state = cache.state
     _set_recent(state, 10, 8)
     q_rot, q_mask, q_pos, _ = policy.observation_queries(state, state.layers[0], layer, torch.tensor([0]),
@@ -108,11 +109,11 @@ def test_max_aggregation_over_group_and_queries_matches_loops():
     g = torch.Generator().manual_seed(1)
     policy = BeaconKV(budget=8, n_beacon=2, n_recent=2, ratio=0.5)
     cache, rope = _bound_policy(policy, n_kv=2, group=2, cap=10, D=4)
-    layer = cache[0]
+    layer = cache.state.observers[0]
     n = 7
-    layer.k[:, :, :n] = torch.randn(1, 2, n, 4, generator=g)
-    layer.pos[:, :, :n] = torch.tensor([0, 1, 2, 4, 5, 6, 7])
-    layer.length[:] = n
+    layer.cache.k[:, :, :n] = torch.randn(1, 2, n, 4, generator=g)
+    layer.cache.pos[:, :, :n] = torch.tensor([0, 1, 2, 4, 5, 6, 7])
+    layer.cache.length[:] = n
     H = 4
     beacons = torch.randn(1, H, 2, 4, generator=g)
     state = cache.state
@@ -120,19 +121,19 @@ def test_max_aggregation_over_group_and_queries_matches_loops():
                                                                torch.ones(1, H, 2, dtype=torch.bool)))
     rq = torch.randn(1, H, 2, 4, generator=g)
     for j, p in enumerate((6, 7)):
-        layer.queries[:, :, p % layer.query_window] = rq[:, :, j]
-        layer.query_pos[0, p % layer.query_window] = p
+        layer.ring_buffer.queries[:, :, p % layer.query_window] = rq[:, :, j]
+        layer.ring_buffer.query_pos[0, p % layer.query_window] = p
     _set_recent(state, 7, 5)
     score = policy.score(state, state.layers[0], layer, torch.tensor([0]), torch.tensor([7]))
     ref = torch.zeros(2, 10)
-    keys_pos = layer.pos[0]
+    keys_pos = layer.cache.pos[0]
     for kv in range(2):
         for h in (2 * kv, 2 * kv + 1):
             queries = [(rope.rotate(beacons[:, h : h + 1, j : j + 1], torch.tensor([[7]]))[0, 0, 0], 7) for j in range(2)]
             queries += [(rope.rotate(rq[:, h : h + 1, j : j + 1], torch.tensor([[p]]))[0, 0, 0], p)
                         for j, p in enumerate((6, 7))]
             for q, qp in queries:
-                logits = [float(q @ layer.k[0, kv, s]) / 2.0 if 0 <= keys_pos[kv, s] <= qp else -math.inf
+                logits = [float(q @ layer.cache.k[0, kv, s]) / 2.0 if 0 <= keys_pos[kv, s] <= qp else -math.inf
                           for s in range(10)]
                 w = torch.tensor(logits).softmax(-1)
                 ref[kv] = torch.maximum(ref[kv], w)
@@ -146,8 +147,8 @@ def test_roll_makes_observation_set_fps_of_beacons_and_recent():
     def watch(step, state):
         if state.phase[0] == "frozen" and step == 62:  # last step before the first eviction
             snapshot["beacons"] = state.layers[0].beacons.rows(torch.tensor([0]))
-            layer = state.cache[0]
-            snapshot["ring"] = (layer.queries[0].clone(), layer.query_pos[0].clone(), state.recent_since[0])
+            layer = state.observers[0]
+            snapshot["ring"] = (layer.ring_buffer.queries[0].clone(), layer.ring_buffer.query_pos[0].clone(), state.recent_since[0])
         if step == 63:
             snapshot["obs"] = state.layers[0].obs.rows(torch.tensor([0]))
 
@@ -164,10 +165,10 @@ def test_roll_makes_observation_set_fps_of_beacons_and_recent():
     ok = set(b.pos[0, 0].tolist()) | set(range(61, 69))
     assert set(obs.pos[0, 0].tolist()) <= ok
     # and they are exactly FPS of that union
-    layer = cache[0]
+    layer = state.observers[0]
     R = layer.query_window
     rec_pos = torch.arange(61, 69)
-    rec_q = layer.queries[0][:, rec_pos % R]  # (heads, 8, D) — ring untouched since the eviction
+    rec_q = layer.ring_buffer.queries[0][:, rec_pos % R]  # (heads, 8, D) — ring untouched since the eviction
     union = torch.cat([b.q[0], rec_q], dim=1)
     idx, _ = farthest_point_sampling(union, 4)
     expect_pos = torch.cat([b.pos[0], rec_pos.expand(union.shape[0], -1)], dim=1).gather(1, idx)

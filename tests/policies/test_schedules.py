@@ -43,7 +43,7 @@ def test_periodic_compacts_only_the_newest_period_or_reselects():
         cap = policy.capacity([2], 14)
         layer = drive_hand(policy, 2, dull_keys({0: dull, 1: dull}), steps=14)
         assert layer.state.stats.evictions == [2]
-        assert int(layer.length[0]) == 2 + 4 + 4 + 2 and cap == 2 + 4 + 8
+        assert int(layer.cache.length[0]) == 2 + 4 + 4 + 2 and cap == 2 + 4 + 8
         results[reselect] = kept(layer, 0)
     assert results[False] == [0, 1, 2, 4, 6, 7, 8, 9, 11, 13, 14, 15]
     assert results[True] == [0, 1, 2, 4, 7, 8, 9, 11, 12, 13, 14, 15]
@@ -217,4 +217,4 @@ def test_a_schedule_of_ones_own_runs_any_scorer():
 
     policy = SnapKV(32, n_recent=2, window=4, schedule=Alternating())
     layer = drive_hand(policy, 2, lambda p, h: torch.randn(8), steps=60)
-    assert layer.state.stats.evictions[0] >= 3 and int(layer.length[0]) <= 2 + 32
+    assert layer.state.stats.evictions[0] >= 3 and int(layer.cache.length[0]) <= 2 + 32

@@ -96,24 +96,25 @@ def test_mean_aggregation_averages_over_the_beacons_and_the_group():
 def test_event_refresh_takes_in_a_far_looking_query_and_ignores_a_local_one():
     policy = EventBeaconKV(64, n_beacon=2, n_recent=8, n_events=2, event_mass=0.5, event_window=4)
     B, n_kv, G, D, C = 1, 1, 2, 4, 96
-    cache = KVCache.allocate(1, B, n_kv, n_kv * G, C, D, query_window=policy.query_window(C),
-                             track_attention=True)
-    state = bind(policy, cache, RotaryEmbedding(D), [6])
-    layer = cache[0]
+    cache = KVCache.allocate(1, B, n_kv, n_kv * G, C, D)
+    state = bind(policy, cache, RotaryEmbedding(D), [6], max_tokens=C)
+    layer, observer = cache[0], state.observers[0]
+    assert observer.needs_weights
     g = torch.Generator().manual_seed(0)
     layer.write_prefill(torch.randn(B, n_kv, 6, D, generator=g), torch.randn(B, n_kv, 6, D, generator=g),
-                        torch.randn(B, n_kv * G, 6, D, generator=g), torch.arange(6)[None], torch.ones(B, 6, dtype=torch.bool))
+                        torch.arange(6)[None], torch.ones(B, 6, dtype=torch.bool))
+    observer.prefill(torch.randn(B, n_kv * G, 6, D, generator=g), torch.arange(6)[None], torch.ones(B, 6, dtype=torch.bool))
     policy.after_prefill(state, [0])
     for p in range(6, 30):
         q = torch.randn(B, n_kv * G, 1, D, generator=g)
-        layer.append(torch.randn(B, n_kv, 1, D, generator=g), torch.randn(B, n_kv, 1, D, generator=g), q, torch.tensor([p]))
+        layer.append(torch.randn(B, n_kv, 1, D, generator=g), torch.randn(B, n_kv, 1, D, generator=g), torch.tensor([p]))
         w = torch.zeros(B, n_kv, G, C)
         if p == 25:  # head 1 looks at position 8: generated, far behind (window 4)
             w[0, 0, 0, p] = 1.0
             w[0, 0, 1, 8] = 1.0
         else:  # everyone looks at itself: local
             w[0, 0, :, p] = 1.0
-        layer.attention_hook(w)
+        observer.decode(q, torch.tensor([p]), w)  # what attention hands the layer's observer
         if p == 25:
             event_q = q[0, 1, 0].clone()
         policy.after_decode_step(state)

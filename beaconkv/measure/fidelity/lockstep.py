@@ -11,9 +11,10 @@ generation call); a test checks both give the same logits.
 On a CPU the shared pass runs with oneDNN-prepacked linear weights (:func:`~beaconkv.models.cpu_linear.prepack`):
 its dozens of rows per step are exactly the small-M matrix products the BLAS handles worst.
 
-The FullKV reference's decode attention is captured through its cache's public ``attention_hook``
-(the recall's ground truth), and each run's held positions are read from its cache before the
-policy's post-step eviction.
+The FullKV reference's decode attention (the recall's ground truth) is captured by an observer of each
+of its layers (:class:`WeightCapture`, wrapping the reference's own observer: the attention ↔ observer
+contract of :mod:`beaconkv.observation`), and each run's held positions are read from its cache before
+the policy's post-step eviction.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import Tensor
 from ...cache_stack import CacheStack
 from ...models.cpu_linear import packing_available, prepack
 from ...models.decoder import CausalLM
+from ...observation import LayerObserver
 from ...policies.base import EvictionPolicy, FullKV
 from ...session import Session, pad_prompts
 from ...storage import KVStorage
@@ -52,6 +54,32 @@ class StepOutput:
     key_pos: Tensor
     held_pos: list[Tensor]
     query_pos: Tensor
+
+
+class WeightCapture:
+    """An observer of one layer that keeps the decode step's attention weights, then hands the step on.
+
+    Args:
+        inner: The observer it wraps (the reference policy's, which keeps its query ring; None: none).
+        sink: Where the weights go: ``sink[layer]`` is overwritten at every decode step.
+        layer: The layer index.
+    """
+
+    needs_weights = True
+
+    def __init__(self, inner: LayerObserver | None, sink: list[Tensor | None], layer: int) -> None:
+        self.inner, self.sink, self.layer = inner, sink, layer
+
+    def prefill(self, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
+        """Hands the prompt queries to the wrapped observer."""
+        if self.inner is not None:
+            self.inner.prefill(q_pre, positions, valid)
+
+    def decode(self, q_pre: Tensor, positions: Tensor, weights: Tensor | None) -> None:
+        """Keeps ``weights`` ``(batch, kv_heads, group, capacity)`` and hands the step on."""
+        self.sink[self.layer] = weights
+        if self.inner is not None:
+            self.inner.decode(q_pre, positions, weights if self.inner.needs_weights else None)
 
 
 class LockStep:
@@ -101,22 +129,16 @@ class LockStep:
             )
         # the kernels were chosen above (`packed`), once for every run: every session runs that model
         reference = Session.for_prompts(model, FullKV(), self.lengths, max_new_tokens, cache_dtype=cache_dtype,
-                                        observe_attention=True, query_window=reference_query_window)
+                                        query_window=reference_query_window)
         self.sessions = [reference] + [
             Session.for_prompts(model, p, self.lengths, max_new_tokens, cache_dtype=cache_dtype, kv_storage=kv_storage)
             for p in policies
         ]
         self._captured: list[Tensor | None] = [None] * cfg.num_hidden_layers
-        for i, layer in enumerate(reference.cache.layers):
-            layer.attention_hook = self._capture_hook(i)
-        self._stacked = CacheStack([s.cache for s in self.sessions])
+        capture = [WeightCapture(o, self._captured, i) for i, o in enumerate(reference.state.observers)]
+        self._observers = [capture] + [s.state.observers for s in self.sessions[1:]]
+        self._stacked = CacheStack([s.cache for s in self.sessions], self._observers)
         self.device = reference.device
-
-    def _capture_hook(self, i: int):
-        def hook(weights: Tensor) -> None:
-            self._captured[i] = weights  # (batch, kv_heads, group, capacity)
-
-        return hook
 
     @property
     def reference(self) -> Session:
@@ -141,7 +163,7 @@ class LockStep:
         for s in self.sessions:
             s.admit(rows, self.lengths)
         ids, valid = pad_prompts(self.prompts, self.device)
-        logits = self.model.prefill(ids, valid, self._stacked)  # the prompt runs once for every cache
+        logits = self.model.prefill(ids, valid, self._stacked, self._stacked)  # the prompt runs once for every cache
         for s in self.sessions:
             s.after_prefill(rows)
         return logits.expand(len(self.sessions), -1, -1)
@@ -160,9 +182,11 @@ class LockStep:
         positions = self.reference.positions.clone()
         R, B = len(self.sessions), tokens.shape[0]
         if self.stack:
-            logits = self.model.decode_step(tokens.repeat(R), positions.repeat(R), self._stacked).view(R, B, -1)
+            logits = self.model.decode_step(tokens.repeat(R), positions.repeat(R), self._stacked,
+                                            self._stacked).view(R, B, -1)
         else:
-            logits = torch.stack([self.model.decode_step(tokens, s.positions, s.cache) for s in self.sessions])
+            logits = torch.stack([self.model.decode_step(tokens, s.positions, s.cache, o)
+                                  for s, o in zip(self.sessions, self._observers)])
         weights = torch.stack(self._captured)  # type: ignore[arg-type]  # (layers, batch, kv_heads, group, C)
         key_pos = torch.stack([layer.positions() for layer in self.reference.cache.layers])
         # FullKV fills its slots in order: the slots past the last filled one carry no weight, and every
