@@ -7,11 +7,13 @@ import pytest
 import torch
 from torch import Tensor
 
+import beaconkv
+from beaconkv import CompileConfig
 from beaconkv.cache import CacheCapacityError, KVCache
 from beaconkv.cache_stack import CacheStack
 from beaconkv.measure.fidelity.lockstep import WeightCapture
 from beaconkv.observation import LayerObserver, ModelObserver
-from beaconkv.policies import H2O, SnapKV
+from beaconkv.policies import H2O, BeaconKV, SnapKV
 from beaconkv.policies.observer import ObservedLayer, ObserverRows
 from beaconkv.sampling import RowSampling, SamplingParams
 from beaconkv.session import Session
@@ -163,3 +165,19 @@ def test_a_stack_hands_each_member_its_own_slots_of_the_weights():
         torch.testing.assert_close(got, alone_w)
         torch.testing.assert_close(out[part:part + 1], alone_out)
     assert rec[1].steps[0][2] is None  # the member whose observer needs no weights gets none
+
+
+@pytest.mark.parametrize("compile", [False, CompileConfig(backend="aot_eager")], ids=["eager", "aot_eager"])
+def test_prefill_sampling_runs_through_the_states_executor(llama, compile):
+    prompts = [[5, 9, 13, 2, 7, 11, 3, 8], [3, 4, 8, 6, 2]]
+    policy = BeaconKV(16, n_beacon=2, n_recent=2)
+    out = beaconkv.generate(llama, None, prompts, max_new_tokens=2, eos_token_ids=[], policy=policy, compile=compile)
+    executor = out.policy_state.executor
+    assert executor.calls["BeaconKV.observe_prefill"] == llama.config.num_hidden_layers  # once per layer, per prefill
+    assert executor.compiled == bool(compile)
+    if compile:
+        assert executor.compile_seconds["BeaconKV.observe_prefill"] > 0  # the prompt FPS is a graph too
+        eager = beaconkv.generate(llama, None, prompts, max_new_tokens=2, eos_token_ids=[], policy=policy)
+        for got, want in zip(out.policy_state.layers, eager.policy_state.layers):
+            assert torch.equal(got.obs.pos, want.obs.pos) and torch.equal(got.obs.valid, want.obs.valid)
+            torch.testing.assert_close(got.obs.q, want.obs.q)

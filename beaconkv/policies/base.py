@@ -256,7 +256,7 @@ class EvictionPolicy:
         rows_t = state.index(rows)
         state.t_dev[rows_t] = state.to_device([L - 1 for L in prompt_lengths])
         state.prefix_dev[rows_t] = state.to_device(prefixes)
-        state.cache.active[rows_t] = True
+        state.active[rows_t] = True
         state.peak_tokens = max(state.peak_tokens, max(prompt_lengths))
 
     def after_prefill(self, state: PolicyState, rows: list[int]) -> None:
@@ -273,7 +273,7 @@ class EvictionPolicy:
             state.count[b] += 1
             state.t[b] += 1
             state.peak_tokens = max(state.peak_tokens, state.prefix[b] + state.count[b])
-        state.t_dev.add_(state.cache.active)
+        state.t_dev.add_(state.active)
         self.on_decode(state, rows)
         self.evict_due(state, rows)
         self.after_count_change(state, rows)
@@ -283,7 +283,7 @@ class EvictionPolicy:
         (for inspection) until the next :meth:`admit` and prefill overwrite them."""
         for b in rows:
             state.live[b] = False
-        state.cache.active[state.index(rows)] = False
+        state.active[state.index(rows)] = False
 
     def evict_due(self, state: PolicyState, rows: list[int]) -> None:
         """Evicts the given rows whose evictable count reached their schedule's eviction point."""

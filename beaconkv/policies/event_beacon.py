@@ -111,7 +111,7 @@ class EventBeaconKV(BeaconKV):
         pos = cache.positions()  # (batch, kv, capacity)
         far = (pos >= state.prefix_dev[:, None, None]) & (pos >= 0) & (pos <= (t - self.event_window)[:, None, None])
         share = (weights * far.to(weights.dtype).unsqueeze(2)).sum(-1)  # (batch, kv, group)
-        flag = rearrange(share >= self.event_mass, "b kv g -> b (kv g)") & state.cache.active[:, None]  # (batch, heads)
+        flag = rearrange(share >= self.event_mass, "b kv g -> b (kv g)") & state.active[:, None]  # (batch, heads)
         q, _ = cache.ring_at(None, t[:, None])  # (batch, heads, 1, head_dim) pre-RoPE, just written
         events: QuerySet = layer_state.events
         nxt = layer_state.next_slot  # (batch, heads)

@@ -22,16 +22,27 @@ a host's cache than that (:mod:`tests.policies.test_second_host` runs policies o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
 from ..cache import CacheCapacityError, LayerKVCache
+from .state import PolicyState
 
-if TYPE_CHECKING:  # the state holds its observers; an observer calls back into its policy with it
-    from .base import EvictionPolicy
-    from .state import PolicyState
+
+class ObservingPolicy(Protocol):
+    """What an observer uses of its policy (:class:`~beaconkv.policies.EvictionPolicy`): the taps it forwards."""
+
+    track_attention: ClassVar[bool]
+
+    @property
+    def observes_prefill(self) -> bool: ...  # noqa: D102 - whether observe_prefill is overridden
+
+    def observe_prefill(self, state: PolicyState, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
+                        rows: Tensor) -> None: ...  # noqa: D102
+
+    def observe_attention(self, state: PolicyState, layer_state: Any, weights: Tensor) -> None: ...  # noqa: D102
 
 
 class QueryRing:
@@ -154,7 +165,7 @@ class ObservedLayer:
             ``track_attention``).
     """
 
-    def __init__(self, policy: EvictionPolicy, state: PolicyState, cache: LayerKVCache,
+    def __init__(self, policy: ObservingPolicy, state: PolicyState, cache: LayerKVCache,
                  ring: QueryRing | None = None) -> None:
         self.policy, self.state, self.cache, self.ring_buffer = policy, state, cache, ring
         self.slot_buffers: dict[str, Tensor] = {}
@@ -293,7 +304,7 @@ class ObservedLayer:
             for buf in self.slot_buffers.values():
                 buf.scatter_(2, index, 0)
         if self.ring_buffer is not None:
-            self.ring_buffer.append(q_pre, positions, self.state.cache.active)
+            self.ring_buffer.append(q_pre, positions, self.state.active)
         if weights is not None:
             self.policy.observe_attention(self.state, self.layer_state, weights)
 

@@ -82,6 +82,9 @@ class PolicyState:
         t_dev: Device ``(batch,)``: position of the newest token.
         prefix_dev: Device ``(batch,)``: protected prefix length.
         all_rows: Device ``(batch,)``: ``arange(batch)``, the index of a full-batch operation.
+        active: Device ``(batch,)`` bool: the rows that decode — the cache's own mask (the same tensor), which
+            the state writes (:meth:`~beaconkv.policies.EvictionPolicy.admit`, ``release``) and device
+            functions read here, never through the cache object.
         layers: Per-layer state of the policy (its own objects, e.g. views into stacked tensors; None
             for a policy without any); a device function receives ``layers[i]`` for layer ``i``.
         observers: One :class:`~beaconkv.policies.observer.ObservedLayer` per layer: what attention reports
@@ -102,6 +105,7 @@ class PolicyState:
     t_dev: Tensor
     prefix_dev: Tensor
     all_rows: Tensor
+    active: Tensor
     layers: list[Any]
     stats: PolicyStats
     settled: list[int] = field(default_factory=list)
@@ -123,7 +127,7 @@ class PolicyState:
         return cls(
             cache=cache, rope=rope, executor=executor or EagerExecutor(), count=[0] * B, settled=[0] * B, t=[-1] * B,
             prefix=[0] * B, live=[False] * B, t_dev=torch.full((B,), -1, dtype=torch.long, device=device),
-            prefix_dev=torch.zeros(B, dtype=torch.long, device=device), all_rows=torch.arange(B, device=device),
+            prefix_dev=torch.zeros(B, dtype=torch.long, device=device), all_rows=torch.arange(B, device=device), active=cache.active,
             layers=[None] * len(cache), stats=PolicyStats(evictions=[0] * B), **fields,
         )
 
