@@ -42,7 +42,7 @@ Observers = tuple[LayerObserver | None, ...] | None
 
 def decode_and_sample(
     model: CausalLM, cache: KVCache, observers: Observers, tokens: Tensor, positions: Tensor, sampling: RowSampling,
-    noise: Tensor | None,
+    noise: Tensor | None, regions: bool = False,
 ) -> Tensor:
     """One decode step for the whole batch and the next tokens (the body of the compiled decode step).
 
@@ -55,17 +55,19 @@ def decode_and_sample(
         sampling: Each row's sampling parameters (tensors; its ``mode`` is a constant of the graph).
         noise: Race noise of the sampled rows (None when every row is greedy); drawn outside (a graph
             cannot take a ``torch.Generator``) by the same calls an eager run makes, so seeded runs match.
+        regions: Each decoder layer as one nested compile region (see :meth:`~beaconkv.models.CausalLM.decode_step`).
 
     Returns:
         ``(batch,)`` int64 next tokens.
     """
-    logits = model.decode_step(tokens, positions, cache, observers)
+    logits = model.decode_step(tokens, positions, cache, observers, regions)
     return sample_rows(logits, sampling, noise)
 
 
-def decode_logits(model: CausalLM, cache: KVCache, observers: Observers, tokens: Tensor, positions: Tensor) -> Tensor:
+def decode_logits(model: CausalLM, cache: KVCache, observers: Observers, tokens: Tensor, positions: Tensor,
+                  regions: bool = False) -> Tensor:
     """One decode step returning the float32 logits ``(batch, vocab)`` (teacher forcing, measurement)."""
-    return model.decode_step(tokens, positions, cache, observers)
+    return model.decode_step(tokens, positions, cache, observers, regions)
 
 
 def sample_logits(model: CausalLM, x: Tensor, sampling: RowSampling, noise: Tensor | None) -> Tensor:
@@ -257,7 +259,7 @@ class Session:
             nxt = self.decoder.run(sample_logits, self.model, self._run_layers(tokens), sampling, noise)
         else:
             nxt = self.decoder.run(decode_and_sample, self.model, self.cache, self.observers, tokens, self.positions,
-                                   sampling, noise)
+                                   sampling, noise, self._regions)
         self.after_step()
         return nxt
 
@@ -267,7 +269,8 @@ class Session:
         if self._by_layer:
             logits = self.decoder.run(last_logits, self.model, self._run_layers(tokens))
         else:
-            logits = self.decoder.run(decode_logits, self.model, self.cache, self.observers, tokens, self.positions)
+            logits = self.decoder.run(decode_logits, self.model, self.cache, self.observers, tokens, self.positions,
+                                      self._regions)
         self.after_step()
         return logits
 
@@ -275,7 +278,13 @@ class Session:
     def _by_layer(self) -> bool:
         """Whether the compiled decode step runs as one graph per piece (inputs, each block of layers, logits):
         one block's graph compiled once serves every block (:attr:`~beaconkv.execution.CompileConfig.layerwise`)."""
-        return self.decoder.compiled and self.decoder.layerwise
+        return self.decoder.decode_shape == "layers"
+
+    @property
+    def _regions(self) -> bool:
+        """Whether the compiled decode step is one graph whose layers are one nested compile region
+        (:attr:`~beaconkv.execution.CompileConfig.regions`)."""
+        return self.decoder.decode_shape == "regions"
 
     def _run_layers(self, tokens: Tensor) -> Tensor:
         """The inputs and every layer of a layer-by-layer decode step; returns the last hidden states."""

@@ -20,7 +20,7 @@ import beaconkv
 from beaconkv.execution import CPU_GEMV_LIMITS, CompileConfig, CompileError, lift_cpu_gemv_limit
 from beaconkv.execution import compiled as compiled_module
 from beaconkv.execution.compiled import resolve_compile_config
-from beaconkv.policies import BeaconKV, EvictionPolicy, PolicyState, SnapKV, make_policy
+from beaconkv.policies import H2O, BeaconKV, EvictionPolicy, PolicyState, SnapKV, make_policy
 from beaconkv.policies.beacon import _select_queries
 
 TRACE = CompileConfig(backend="aot_eager")
@@ -303,7 +303,7 @@ def test_one_decode_graph_serves_every_block_of_layers_and_compile_time_is_count
         pass
 
     model = beaconkv.load_model(tiny_models["llama"][0], mlp=lambda c: FreshMLP(c.hidden_size, c.intermediate_size))
-    one_layer = TRACE  # the default block: one layer, so the tiny model's 2 layers are two blocks
+    one_layer = dataclasses.replace(TRACE, layerwise=True)  # one layer per block: the tiny model's 2 layers are 2
     calls = []
     before = len(_debug_get_cache_entry_list(decode_layers.__code__))
     first = beaconkv.generate(model, None, _prompts(), max_new_tokens=12, eos_token_ids=[], compile=one_layer,
@@ -317,10 +317,40 @@ def test_one_decode_graph_serves_every_block_of_layers_and_compile_time_is_count
     assert again.stats.compile_s == 0 and again.token_ids == first.token_ids
     assert len(_debug_get_cache_entry_list(decode_layers.__code__)) == before + 1
     both = beaconkv.generate(model, None, _prompts(), max_new_tokens=12, eos_token_ids=[],
-                             compile=dataclasses.replace(TRACE, layer_block=2))  # one block of both layers
+                             compile=dataclasses.replace(TRACE, layerwise=True, layer_block=2))  # one block of both
     assert both.token_ids == first.token_ids and both.stats.compile_s > 0
     eager = beaconkv.generate(model, None, _prompts(), max_new_tokens=12, eos_token_ids=[])
     assert eager.stats.compile_s == 0 and eager.token_ids == first.token_ids
+
+
+def test_a_regional_decode_step_is_one_graph_whose_layers_share_one_region(tiny_models):
+    """``regions=True``: the decode step is one graph; each decoder layer is a call of one nested compile
+    region (traced once), and the tokens are eager's, FullKV and a policy with observers alike (two cache
+    sizes: static shapes, one graph each)."""
+    graphs = []
+
+    def recording(gm, example_inputs):  # a backend that keeps dynamo's graphs and runs them as they are
+        graphs.append(gm)
+        return gm.forward
+
+    model = beaconkv.load_model(tiny_models["qwen3"][0])  # Qwen3: q/k norms, and attention's float scale
+    config = CompileConfig(backend=recording, regions=True)
+    cpu = torch.device("cpu")
+    assert config.decode_shape(cpu) == "regions" and config.options(cpu)["dynamic"] is False
+    assert CompileConfig().decode_shape(cpu) == "layers" and CompileConfig(layerwise=False).decode_shape(cpu) == "whole"
+    for policy in (None, H2O(BUDGET, n_recent=4)):
+        graphs.clear()
+        out = beaconkv.generate(model, None, _prompts(), max_new_tokens=BUDGET + 8, eos_token_ids=[], policy=policy,
+                                compile=config)
+        eager = beaconkv.generate(model, None, _prompts(), max_new_tokens=BUDGET + 8, eos_token_ids=[], policy=policy)
+        assert out.token_ids == eager.token_ids
+        assert out.policy_state.executor.calls["decode_and_sample"] == out.stats.decode_steps  # one call per step
+        step = [gm for gm in graphs if any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)]
+        assert step, "the decode step's graph calls a region"
+        for gm in step:
+            calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+            assert len(calls) == model.config.num_hidden_layers
+            assert len({n.args[0].target for n in calls}) == 1, "every layer calls the same region"
 
 
 def test_layer_blocks_divide_the_layers_so_one_graph_serves_every_block():

@@ -16,8 +16,10 @@ class Executor:
 
     Attributes:
         compiled: Whether functions run as compiled graphs.
-        layerwise: Whether per-layer work should be called once per layer (one small graph reused by
-            every layer) rather than as one whole-model call.
+        layerwise: Whether per-layer work (an eviction) should be called once per layer (one small graph
+            reused by every layer) rather than as one whole-model call.
+        decode_shape: How a decode step runs: ``"eager"``, or a compiled shape (see
+            :meth:`~beaconkv.execution.CompileConfig.decode_shape`).
         calls: How many times each function (by qualified name) ran.
         compile_s: Wall seconds of the calls that compiled a graph (0 when nothing compiles).
         compile_seconds: The same seconds by function (qualified name).
@@ -26,6 +28,7 @@ class Executor:
 
     compiled: bool = False
     layerwise: bool = True
+    decode_shape: str = "eager"
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()

@@ -76,8 +76,18 @@ class CompileConfig:
             sampling: one graph each) and an eviction's score + select + compact (one layer) — instead of
             one graph over all layers. Every layer has the same code and shapes, so one block's compile
             serves the whole model: a cold compile of the embedded 30-layer model's decode step takes
-            seconds instead of minutes (``beaconkv bench --sections compile``). None = layerwise, except
-            with CUDA graphs (one replay per step and per eviction needs one graph).
+            seconds instead of minutes (``beaconkv bench --sections compile``), but every graph call costs
+            its guards and wrappers. None = layerwise, except with CUDA graphs (one replay per step and
+            per eviction needs one graph).
+        regions: Compile the decode step as one graph whose decoder layers are one nested compile region
+            (``torch.compiler.nested_compile_region``): dynamo traces and inductor compiles one layer, and the
+            step's graph calls it for every layer, so it compiles almost as fast as a layerwise step and runs
+            as one graph, without a graph call per layer (measured on the embedded model, 1 thread, bf16:
+            ``beaconkv bench --sections compile``). Evictions stay as :attr:`layerwise` says. Off by default:
+            this torch fails inside dynamo (``KeyError`` in ``invoke_subgraph``'s ``stamp_out_subgraph``) when
+            such a step recompiles with symbolic shapes, so a regional step compiles with static shapes — each
+            new cache size or batch is a full recompile. It suits a pool of one size (``beaconkv serve``, the
+            engine); not checked on a GPU.
         layer_block: Most decoder layers per graph of a layerwise decode step: the blocks are the largest
             divisor of the layer count up to this, so that one graph serves every block. Each graph call
             costs its guards and wrappers, each layer in a block adds to the compile. Measured on the
@@ -98,6 +108,7 @@ class CompileConfig:
     dynamic: bool | None = None
     policy: bool = True
     layerwise: bool | None = None
+    regions: bool = False
     layer_block: int = 1
     cpu_gemv: bool = True
 
@@ -105,6 +116,15 @@ class CompileConfig:
         if isinstance(self.layer_block, bool) or not isinstance(self.layer_block, int) or self.layer_block < 1:
             raise ValueError(f"layer_block={self.layer_block!r} must be a positive int: the most decoder layers "
                              "per graph of a layerwise decode step (1, the default, compiles fastest).")
+
+    def decode_shape(self, device: torch.device) -> str:
+        """How the decode step compiles on ``device``: ``"layers"`` (a graph per block of layers, called from
+        Python), ``"regions"`` (one graph whose layers are one nested compile region) or ``"whole"`` (one graph,
+        every layer traced)."""
+        if self.regions and not self.layerwise and hasattr(torch.compiler, "nested_compile_region"):
+            return "regions"
+        layerwise = self.layerwise if self.layerwise is not None else not self.cuda_graphs(device)
+        return "layers" if layerwise else "whole"
 
     def block_size(self, n_layers: int) -> int:
         """Decoder layers per graph of a layerwise decode step of a model with ``n_layers`` layers: the largest
@@ -114,7 +134,8 @@ class CompileConfig:
     def options(self, device: torch.device, fn: Callable[..., Any] | None = None) -> dict[str, Any]:
         """Keyword arguments of ``torch.compile`` for a device (``fullgraph=True`` always), and for ``fn``
         when it is marked :func:`inputs_never_alias`."""
-        kwargs: dict[str, Any] = {"fullgraph": True, "backend": self.backend, "dynamic": self.dynamic,
+        dynamic = False if self.decode_shape(device) == "regions" else self.dynamic  # see `regions`
+        kwargs: dict[str, Any] = {"fullgraph": True, "backend": self.backend, "dynamic": dynamic,
                                   "recompile_limit": RECOMPILE_LIMIT}
         options: dict[str, Any] = {}
         if getattr(fn, _NO_ALIAS_MARK, False):
@@ -301,6 +322,15 @@ def _tensors(obj: Any) -> Iterator[Tensor]:
         yield from obj.tensors()
 
 
+def _dynamo_config(settings: dict[str, Any] | None) -> contextlib.AbstractContextManager[Any]:
+    """Dynamo settings for the calls of an executor (nothing to patch: a no-op context)."""
+    if not settings:
+        return contextlib.nullcontext()
+    import torch._dynamo.config as dynamo_config
+
+    return dynamo_config.patch(**settings)
+
+
 class CompiledExecutor(Executor):
     """Runs every function as a compiled graph (see the module docstring).
 
@@ -320,6 +350,10 @@ class CompiledExecutor(Executor):
         self.config, self.device = config, torch.device(device)
         self.cuda_graphs = config.cuda_graphs(self.device)
         self.layerwise = (not self.cuda_graphs) if config.layerwise is None else config.layerwise
+        self.decode_shape = config.decode_shape(self.device)
+        # a layer region is an input of the step's graph, its module floats (attention's scale) with it: dynamo
+        # would lift them as unbacked symbolic floats, which a kernel's float argument cannot take
+        self._trace_config = ({"specialize_float": True} if self.decode_shape == "regions" else None)
 
     def prepare(self, *objects: Any) -> None:
         """Marks the tensors of ``objects`` (caches, policy states) as static addresses under CUDA graphs.
@@ -337,7 +371,7 @@ class CompiledExecutor(Executor):
             torch.compiler.cudagraph_mark_step_begin()
         frames = _frames_compiled()
         t0 = time.perf_counter()
-        with compile_guard(fn, args):
+        with compile_guard(fn, args), _dynamo_config(self._trace_config):
             out = compiled(fn, self.config, self.device)(*args)
         if _frames_compiled() != frames:  # this call compiled (dynamo counts every frame it compiles)
             seconds = time.perf_counter() - t0

@@ -7,10 +7,11 @@ cache in a folder of its own:
 * **cold**: an empty cache — the first compiled ``generate`` of policy A (the decode step, the
   eviction, the policy's own graphs), then policy B in the same process;
 * **rerun**: a new process on the cache the cold run left — policy A again;
-* **speed**: the warm compiled ms per decode step of policy A, in both execution shapes —
-  ``layerwise`` (one decoder layer's graph reused by every layer, the CPU default) and ``whole`` (one
-  graph over the whole step, what CUDA graphs use) — alternating the two ``--compile-repeats``
-  times, so that a busy machine slows both alike.
+* **speed**: the warm compiled ms per decode step of policy A, in each execution shape of the decode
+  step — ``layerwise`` (one decoder layer's graph, called from Python for every layer: the CPU default), ``regions`` (one
+  graph over the whole step whose layers are one nested compile region) and ``whole``
+  (one graph, every layer traced: what CUDA graphs use) — alternating them ``--compile-repeats`` times,
+  so that a busy machine slows every shape alike.
 
 Compile seconds are :attr:`~beaconkv.generation.GenerationStats.compile_s` (the calls that
 compiled), so the decode itself is not counted; the wall time of the first call is reported too.
@@ -32,7 +33,9 @@ from typing import Any
 
 __all__ = ["COMPILE_PROMPT", "CompileRow", "add_compile_arguments", "markdown_compile", "run_compile_section"]
 
-SHAPES = ("layerwise", "whole")
+SHAPES = ("layerwise", "regions", "whole")
+"""The decode step's compiled shapes (:meth:`~beaconkv.execution.CompileConfig.decode_shape`), by the bench's names."""
+_SHAPE_CONFIG = {"layerwise": {"layerwise": True}, "regions": {"regions": True}, "whole": {"layerwise": False}}
 DECODE_FUNCTIONS = frozenset({"decode_and_sample", "decode_logits", "decode_inputs", "decode_layers", "sample_logits",
                               "last_logits"})
 """The device functions of a decode step (whole or by region; :mod:`beaconkv.session`), by name."""
@@ -47,7 +50,7 @@ class CompileRow:
 
     Attributes:
         run: ``"cold"`` (empty compile cache), ``"rerun"`` (the cache a cold run left) or ``"speed"``.
-        shape: ``"layerwise"`` or ``"whole"`` (see :attr:`~beaconkv.execution.CompileConfig.layerwise`).
+        shape: ``"layerwise"``, ``"regions"`` or ``"whole"`` (one of ``SHAPES``).
         policy: The policy's registry name.
         compile_s: Seconds its first compiled ``generate`` spent compiling (the decode step and the policy's
             work: its eviction, BeaconKV's query sampling).
@@ -77,9 +80,9 @@ def add_compile_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--compile-budget", type=int, default=64, help="the policies' budget (default 64)")
     group.add_argument("--compile-tokens", type=int, default=96, help="tokens each call generates (default 96)")
     group.add_argument("--compile-repeats", type=int, default=3,
-                       help="alternating layerwise/whole speed runs (default 3)")
-    group.add_argument("--compile-shapes", default="layerwise,whole",
-                       help="execution shapes to measure (default layerwise,whole)")
+                       help="alternating speed runs of every shape (default 3)")
+    group.add_argument("--compile-shapes", default="layerwise,regions,whole",
+                       help="decode-step shapes to measure, of layerwise, regions, whole (default all three)")
 
 
 def _child(argv: list[str]) -> int:
@@ -101,7 +104,7 @@ def _child(argv: list[str]) -> int:
     model = beaconkv.load_model(path, dtype=spec["dtype"], device=spec["device"])
     ids = isinstance(spec["prompt"], list)  # token ids (a model without a tokenizer), else a chat message
     tok = None if ids else beaconkv.load_tokenizer(path)
-    config = CompileConfig(backend=spec["backend"], layerwise=spec["shape"] == "layerwise")
+    config = CompileConfig(backend=spec["backend"], **_SHAPE_CONFIG[spec["shape"]])
     n = auto_n_recent(spec["budget"])
 
     def run(name: str) -> Any:
