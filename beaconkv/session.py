@@ -154,6 +154,7 @@ class Session:
         watched = tuple(o if o.observes_decode else None for o in self.state.observers)
         self.observers: Observers = watched if any(o is not None for o in watched) else None
         self.decoder.prepare(self.cache, self.state)
+        self._blocks = self._layer_blocks() if self._by_layer else []
         self.policy_s = 0.0
 
     @classmethod
@@ -286,15 +287,19 @@ class Session:
         (:attr:`~beaconkv.execution.CompileConfig.regions`)."""
         return self.decoder.decode_shape == "regions"
 
+    def _layer_blocks(self) -> list[tuple[tuple, tuple, Observers]]:
+        """Each block of a layer-by-layer decode step: its layers, their caches and observers (made once)."""
+        layers = tuple(self.model.model.layers)
+        k = self.decoder.config.block_size(len(layers))
+        return [(layers[i:i + k], tuple(self.cache[j] for j in range(i, min(i + k, len(layers)))),
+                 None if self.observers is None else self.observers[i:i + k]) for i in range(0, len(layers), k)]
+
     def _run_layers(self, tokens: Tensor) -> Tensor:
         """The inputs and every layer of a layer-by-layer decode step; returns the last hidden states."""
-        run, layers = self.decoder.run, tuple(self.model.model.layers)
+        run = self.decoder.run
         x, positions, rotary = run(decode_inputs, self.model, tokens, self.positions)
-        k = self.decoder.config.block_size(len(layers))
-        for i in range(0, len(layers), k):
-            block = range(i, min(i + k, len(layers)))
-            observers = None if self.observers is None else self.observers[i:i + k]
-            x = run(decode_layers, layers[i:i + k], x, positions, rotary, tuple(self.cache[j] for j in block), observers)
+        for layers, caches, observers in self._blocks:
+            x = run(decode_layers, layers, x, positions, rotary, caches, observers)
         return x
 
     def after_step(self) -> None:

@@ -322,15 +322,6 @@ def _tensors(obj: Any) -> Iterator[Tensor]:
         yield from obj.tensors()
 
 
-def _dynamo_config(settings: dict[str, Any] | None) -> contextlib.AbstractContextManager[Any]:
-    """Dynamo settings for the calls of an executor (nothing to patch: a no-op context)."""
-    if not settings:
-        return contextlib.nullcontext()
-    import torch._dynamo.config as dynamo_config
-
-    return dynamo_config.patch(**settings)
-
-
 class CompiledExecutor(Executor):
     """Runs every function as a compiled graph (see the module docstring).
 
@@ -353,7 +344,7 @@ class CompiledExecutor(Executor):
         self.decode_shape = config.decode_shape(self.device)
         # a layer region is an input of the step's graph, its module floats (attention's scale) with it: dynamo
         # would lift them as unbacked symbolic floats, which a kernel's float argument cannot take
-        self._trace_config = ({"specialize_float": True} if self.decode_shape == "regions" else None)
+        self._specialize_floats = self.decode_shape == "regions"
 
     def prepare(self, *objects: Any) -> None:
         """Marks the tensors of ``objects`` (caches, policy states) as static addresses under CUDA graphs.
@@ -371,8 +362,15 @@ class CompiledExecutor(Executor):
             torch.compiler.cudagraph_mark_step_begin()
         frames = _frames_compiled()
         t0 = time.perf_counter()
-        with compile_guard(fn, args), _dynamo_config(self._trace_config):
-            out = compiled(fn, self.config, self.device)(*args)
+        call = compiled(fn, self.config, self.device)
+        with compile_guard(fn, args):
+            if self._specialize_floats:
+                import torch._dynamo.config as dynamo_config
+
+                with dynamo_config.patch(specialize_float=True):
+                    out = call(*args)
+            else:
+                out = call(*args)
         if _frames_compiled() != frames:  # this call compiled (dynamo counts every frame it compiles)
             seconds = time.perf_counter() - t0
             self.compile_s += seconds

@@ -158,6 +158,9 @@ class ObservedLayer:
 
     Attributes:
         cache: The layer's cache.
+        batch: Rows of the cache; likewise ``n_heads``, ``n_kv_heads``, ``group`` (query heads per KV head),
+            ``head_dim``, ``capacity`` (slots per row and KV head) and ``dtype`` (of keys and queries): the
+            cache's sizes.
         ring_buffer: The :class:`QueryRing` (None without one).
         slot_buffers: Per-slot tensors ``(batch, kv_heads, capacity)`` by name, moved with the keys.
         layer_state: ``state.layers[i]`` of this layer (set once the policy's ``init_state`` made it).
@@ -168,46 +171,15 @@ class ObservedLayer:
     def __init__(self, policy: ObservingPolicy, state: PolicyState, cache: LayerKVCache,
                  ring: QueryRing | None = None) -> None:
         self.policy, self.state, self.cache, self.ring_buffer = policy, state, cache, ring
+        # the store's sizes never change: read once, plain attributes on every hot path after
+        self.batch, self.n_heads, self.n_kv_heads = cache.batch, cache.n_heads, cache.n_kv_heads
+        self.head_dim, self.capacity, self.dtype = cache.head_dim, cache.capacity, cache.dtype
+        self.group = self.n_heads // self.n_kv_heads
         self.slot_buffers: dict[str, Tensor] = {}
         self.layer_state: Any = None
         self.needs_weights = type(policy).track_attention
 
     # ------------------------------------------------------------------------------- the cache's reads
-    @property
-    def batch(self) -> int:
-        """Rows of the cache."""
-        return self.cache.batch
-
-    @property
-    def n_heads(self) -> int:
-        """Query heads."""
-        return self.cache.n_heads
-
-    @property
-    def n_kv_heads(self) -> int:
-        """Key/value heads."""
-        return self.cache.n_kv_heads
-
-    @property
-    def group(self) -> int:
-        """Query heads per KV head."""
-        return self.cache.n_heads // self.cache.n_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        """Width of a head."""
-        return self.cache.head_dim
-
-    @property
-    def capacity(self) -> int:
-        """Slots per (row, KV head)."""
-        return self.cache.capacity
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The compute dtype of keys and queries."""
-        return self.cache.dtype
-
     def keys(self, rows: Tensor | None = None) -> Tensor:
         """Post-RoPE keys ``(b, kv_heads, capacity, head_dim)`` (see :meth:`~beaconkv.cache.LayerKVCache.keys`)."""
         return self.cache.keys(rows)
