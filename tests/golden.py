@@ -4,7 +4,8 @@ The fixture ``tests/fixtures/golden_policies.json`` was recorded with the code *
 opened up (explicit policy state, execution strategies, KV storage); ``tests/test_golden.py`` checks
 that every policy still produces exactly those tokens and keeps exactly those positions, eviction by
 eviction and layer by layer. Regenerate (only for an intended behaviour change) with
-``python -m tests.golden --write``.
+``python -m tests.golden --write``; a policy added later is recorded with
+``python -m tests.golden --write --only NAME[,NAME...]``, which leaves every other entry as it was.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ NEW_TOKENS = 64
 #: (case name, policy keyword arguments shared by every policy): the whole prompt protected (every row
 #: evicts at the same steps), and an int prefix (rows reach the budget at different steps: ragged).
 CASES = {"prompt_prefix": {}, "int_prefix": {"n_prefix": 16}}
-POLICIES = ("full", "beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming")
+POLICIES = ("full", "beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming",
+            # recorded after the refactor, with the code that introduced them
+            "expected_attention", "tova", "keydiff", "knorm", "lazy_eviction")
 BUDGET, N_RECENT = 32, 4
 
 
@@ -32,16 +35,17 @@ def digest(records: list[tuple[int, int, list[int], list]]) -> str:
     return hashlib.sha256(json.dumps(records, separators=(",", ":")).encode()).hexdigest()
 
 
-def record_run(run) -> dict:
+def record_run(run, names: tuple[str, ...] = POLICIES) -> dict:
     """Tokens, eviction counts, a digest of every eviction's kept positions, and layer 0's kept sets.
 
     Args:
         run: ``run(name, kwargs) -> (token_ids, evictions, records)`` with records as
             ``(step, layer, rows, kept_positions as nested lists)`` in eviction order.
+        names: The policies to record (default: all of :data:`POLICIES`).
     """
     out: dict = {}
     for case, extra in CASES.items():
-        for name in POLICIES:
+        for name in names:
             kwargs = {} if name == "full" else {"budget": BUDGET, "n_recent": N_RECENT, **extra}
             tokens, evictions, records = run(name, kwargs)
             out[f"{case}/{name}"] = {
@@ -53,14 +57,27 @@ def record_run(run) -> dict:
     return out
 
 
+def merged(old: dict, new: dict) -> dict:
+    """The fixture's entries with ``new`` ones added or replaced, in :data:`CASES` x :data:`POLICIES` order."""
+    order = [f"{case}/{name}" for case in CASES for name in POLICIES]
+    both = {**old, **new}
+    return {key: both[key] for key in order if key in both}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.golden --write`` regenerates the fixture with the current code."""
+    """``python -m tests.golden --write`` regenerates the fixture with the current code (``--only``: some
+    policies, the other entries kept as recorded)."""
     import beaconkv
     from beaconkv.policies import make_policy
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--only", default="", help="comma-separated policy names to (re)record")
     args = parser.parse_args(argv)
+    names = tuple(n for n in args.only.split(",") if n) or POLICIES
+    unknown = sorted(set(names) - set(POLICIES))
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: not in POLICIES ({', '.join(POLICIES)})")
     torch.set_num_threads(1)
     path = beaconkv.embedded_model_path()
     model = beaconkv.load_model(path, dtype=torch.float32)
@@ -70,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         policy = make_policy(name, telemetry=True, **kwargs)
         out = beaconkv.generate(model, tok, PROMPTS, chat=True, max_new_tokens=NEW_TOKENS, eos_token_ids=[],
                                 policy=policy)
-        records = [(r.step, r.layer, list(r.rows), r.kept_positions.tolist()) for r in policy.stats.telemetry]
+        records = [(r.step, r.layer, list(r.rows), r.kept_positions.tolist()) for r in out.telemetry]
         return out.token_ids, out.stats.evictions, records
 
-    data = record_run(run)
+    data = record_run(run, names)
+    if args.only:
+        data = merged(json.loads(FIXTURE.read_text()), data)
     if args.write:
         FIXTURE.write_text(json.dumps(data, separators=(",", ":")) + "\n")
         print(f"wrote {FIXTURE} ({FIXTURE.stat().st_size} bytes)")

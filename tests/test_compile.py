@@ -100,7 +100,8 @@ def test_a_user_policy_with_its_own_state_compiles_with_no_extra_code(llama, con
     torch.testing.assert_close(compiled.policy_state.observed, eager.policy_state.observed)
 
 
-@pytest.mark.parametrize("name", ["beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming"])
+@pytest.mark.parametrize("name", ["beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming",
+                                  "expected_attention", "tova", "keydiff", "knorm", "lazy_eviction"])
 def test_every_policy_traces_fullgraph_with_the_same_tokens(llama, name):
     eager, compiled = _both(llama, make_policy(name, budget=BUDGET, telemetry=True), TRACE)
     assert compiled.token_ids == eager.token_ids

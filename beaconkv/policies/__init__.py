@@ -15,8 +15,12 @@ from .base import EvictionPolicy, FullKV
 from .beacon import BeaconKV, InitialRecent
 from .config import PolicyConfigError
 from .event_beacon import EventBeaconKV
+from .expected_attention import ExpectedAttention
 from .group_beacon import GroupBeaconKV
 from .h2o import H2O
+from .keydiff import KeyDiff
+from .knorm import KNorm
+from .lazy_eviction import LazyEviction
 from .memory_beacon import MemoryBeaconKV
 from .observer import ObservedLayer, QueryRing
 from .registry import (
@@ -33,12 +37,15 @@ from .schedules import AtBudget, Buffered, Periodic, Schedule, parse_schedule
 from .snapkv import SnapKV
 from .state import EvictionRecord, PolicyState, PolicyStats
 from .streaming import StreamingLLM
+from .tova import TOVA
 from .window import RecentWindowPolicy
 
 __all__ = [
     # the policies (every registered one)
     "BeaconKV", "EventBeaconKV", "FullKV", "GroupBeaconKV", "H2O", "InitialRecent", "MemoryBeaconKV", "RKV", "RPC",
     "SnapKV", "StreamingLLM",
+    # rivals from the literature beyond the paper's baselines (docs/spec.md, §5)
+    "ExpectedAttention", "KeyDiff", "KNorm", "LazyEviction", "TOVA",
     # writing a policy: the base classes, its state and records, what it sees of a layer, the query samplers
     "ContinualFPS", "EvictionPolicy", "EvictionRecord", "FPS", "KMeans", "NaiveFPS", "ObservedLayer", "PolicyState",
     "PolicyStats", "QueryRing", "QuerySampler", "RecentWindowPolicy",

@@ -29,13 +29,18 @@ from .base import EvictionPolicy, FullKV
 from .beacon import BeaconKV, InitialRecent
 from .config import PolicyConfigError
 from .event_beacon import EventBeaconKV
+from .expected_attention import ExpectedAttention
 from .group_beacon import GroupBeaconKV
 from .memory_beacon import MemoryBeaconKV
 from .h2o import H2O
+from .keydiff import KeyDiff
+from .knorm import KNorm
+from .lazy_eviction import LazyEviction
 from .rkv import RKV
 from .rpc import RPC
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
+from .tova import TOVA
 
 _ENTRIES: dict[str, tuple[type[EvictionPolicy], dict[str, Any]]] = {}
 _ALIASES = {"fullkv": "full", "beaconkv": "beacon", "streamingllm": "streaming", "r-kv": "rkv",
@@ -154,7 +159,7 @@ def _check_parameters(name: str, cls: type[EvictionPolicy], kwargs: dict[str, An
 
 
 for _cls in (FullKV, BeaconKV, InitialRecent, SnapKV, RPC, RKV, H2O, StreamingLLM, GroupBeaconKV, EventBeaconKV,
-             MemoryBeaconKV):
+             MemoryBeaconKV, ExpectedAttention, TOVA, KeyDiff, KNorm, LazyEviction):
     register_policy(_cls.name, _cls)
 #: Variants beyond the paper that are a setting of BeaconKV (docs/benchmarks.md, "Beyond the paper").
 register_policy("beacon_lse", BeaconKV, aggregation="logsumexp", temperature=0.02)
@@ -171,7 +176,8 @@ def make_policy(name: str, budget: int | None = None, **kwargs: Any) -> Eviction
 
     Args:
         name: ``full``, ``beacon``, ``initial_recent``, ``snapkv``, ``rpc``, ``rkv``, ``h2o``,
-            ``streaming``, a registered name, or a class of one's own as ``module:Class`` or
+            ``streaming``, ``expected_attention``, ``tova``, ``keydiff``, ``knorm``, ``lazy_eviction``,
+            a registered name, or a class of one's own as ``module:Class`` or
             ``path/to/file.py:Class`` (:func:`load_policy_class`).
         budget: ``B_max`` (ignored by ``full``).
         **kwargs: The policy's parameters (``n_recent``, ``n_prefix``, ``n_beacon`` ...), over the

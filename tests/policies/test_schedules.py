@@ -97,7 +97,8 @@ def test_beacons_freeze_n_recent_tokens_before_the_schedules_next_eviction():
 
 
 # ------------------------------------------------------------------- any scorer under any schedule
-SCORERS = ["beacon", "snapkv", "rpc", "rkv", "h2o", "streaming", "beacon_event", "beacon_memory"]
+SCORERS = ["beacon", "snapkv", "rpc", "rkv", "h2o", "streaming", "beacon_event", "beacon_memory", "expected_attention",
+           "tova", "keydiff", "knorm", "lazy_eviction"]
 
 
 @st.composite
@@ -111,7 +112,7 @@ def schedule_cases(draw):
         schedule, first = Buffered(buffer=buffer), budget + buffer
     else:
         compression = draw(st.integers(2, 4))
-        recent = max(n_recent, 8)  # the largest window below: SnapKV's/RPC's/R-KV's 8
+        recent = max(n_recent, 8)  # the largest window below: SnapKV's/RPC's/R-KV's/ExpectedAttention's 8
         period = draw(st.integers(2 * recent + 4, 64))  # period - period // compression >= recent + 2
         budget, schedule, first = None, Periodic(period=period, compression=compression), period
     # an evictable prompt (n_prefix=0) counts towards the first eviction: the shortest one evicts last
@@ -124,7 +125,7 @@ def _scorer(name: str, case: dict):
     kw = {"n_recent": case["n_recent"], "n_prefix": case["n_prefix"], "schedule": case["schedule"]}
     if name.startswith("beacon"):
         kw["n_beacon"] = 4
-    if name in ("snapkv", "rpc", "rkv"):
+    if name in ("snapkv", "rpc", "rkv", "expected_attention"):
         kw["window"] = 8
     if name == "streaming":
         kw["n_sink"] = 1
