@@ -34,6 +34,7 @@ from .policies import (
     FullKV,
     GroupBeaconKV,
     H2O,
+    HeadAdaptive,
     InitialRecent,
     KeyDiff,
     KNorm,
@@ -45,6 +46,7 @@ from .policies import (
     SnapKV,
     StreamingLLM,
     TOVA,
+    Uniform,
     make_policy,
     policy_names,
     register_policy,
@@ -69,6 +71,8 @@ __all__ = [
     "make_policy", "policy_names", "register_policy",
     # when a policy evicts: the schedules
     "AtBudget", "Buffered", "Periodic", "Schedule",
+    # how a layer's keep count is split between its KV heads: the allocations
+    "HeadAdaptive", "Uniform",
     # cache, storage, execution
     "CompileConfig", "DenseKV", "Int8KV", "KVCache", "KVStorage", "LayerKVCache",
     # the error family

@@ -6,10 +6,11 @@ Layout of one layer (:class:`LayerKVCache`), all buffers allocated once:
   per (sequence, KV head) — dense or int8, see :mod:`beaconkv.storage`. Keys are stored **post-RoPE**
   at their own absolute positions and are never re-rotated.
 * ``pos``: ``(batch, kv_heads, capacity)`` int64, the absolute position each slot holds, ``-1`` for an
-  empty slot. Each (sequence, KV head) may hold a *different* set of positions, always increasing in
-  slots ``0 .. length-1``.
-* ``length``: ``(batch,)`` filled slots per sequence (the same for every KV head of a sequence,
-  because every eviction keeps the same number of tokens per head).
+  empty slot. Each (sequence, KV head) may hold a *different* set of positions, increasing over its
+  filled slots.
+* ``length``: ``(batch,)`` slots in use per sequence: the next token goes to slot ``length[b]`` of every
+  KV head. Every head is filled up to it unless the last eviction let heads keep different numbers of
+  tokens (a head-adaptive allocation): a head that kept fewer holds empty slots below ``length``.
 * ``active``: ``(batch,)`` bool, shared by every layer of a :class:`KVCache`: the rows that decode.
   A slot pool's idle rows write nothing that counts (their slot stays empty, their length fixed).
 
@@ -93,7 +94,8 @@ class LayerKVCache(nn.Module):
 
     Invariants:
         * ``length[b] <= capacity``; slots ``>= length[b]`` have ``pos == -1``.
-        * Positions in slots ``0 .. length[b]-1`` are strictly increasing per (sequence, KV head).
+        * Positions of the filled slots below ``length[b]`` are strictly increasing per (sequence, KV
+          head); with a uniform allocation every slot below ``length[b]`` is filled.
         * Kept K/V are the values written for those positions (bit-identical in dense storage).
     """
 
@@ -229,8 +231,9 @@ class LayerKVCache(nn.Module):
         Args:
             rows: ``(b,)`` batch indices of the sequences to compact.
             keep: ``(b, kv_heads, K)`` slot indices to keep, sorted by position.
-            keep_valid: ``(b, kv_heads, K)`` bool; False entries are dropped (they must come last, and
-                every KV head of a sequence must keep the same number of slots).
+            keep_valid: ``(b, kv_heads, K)`` bool; False entries are dropped (they must come last). Heads
+                may keep different numbers of slots (a head-adaptive allocation): the row's length is then
+                the largest, and a head that kept fewer holds empty slots (position ``-1``) below it.
             carry: Per-slot tensors ``(batch, kv_heads, capacity)`` kept beside the cache (a policy's
                 accumulated scores) that move with the keys; their emptied slots become 0.
         """
@@ -241,7 +244,7 @@ class LayerKVCache(nn.Module):
         for buf, empty in ((self.pos, -1), *((b, 0) for b in carry)):
             kept = torch.where(keep_valid, torch.gather(buf[rows], 2, keep), empty)
             buf.index_put_((rows,), torch.cat([kept, kept.new_full((*kept.shape[:2], tail), empty)], 2))
-        self.length[rows] = keep_valid[:, 0].sum(-1)
+        self.length[rows] = keep_valid.sum(-1).amax(-1)
 
     def nbytes(self) -> int:
         """Bytes of keys and values (and their scales) held by this layer."""

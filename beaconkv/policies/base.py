@@ -58,9 +58,10 @@ from torch import Tensor
 from ..cache import KVCache
 from ..execution import Executor
 from .config import PolicyConfigError, check_int, check_number
+from .allocation import Allocation, Uniform, parse_allocation
 from .observer import ObservedLayer, QueryRing
 from .schedules import AtBudget, Schedule, parse_schedule, protected_scores
-from .selection import select_keep
+from .selection import ranking_key, select_keep
 from .state import EvictionRecord, PolicyState, PolicyStats
 
 __all__ = ["EvictionPolicy", "EvictionRecord", "FullKV", "PolicyConfigError", "PolicyState", "PolicyStats",
@@ -76,7 +77,8 @@ class EvictionPolicy:
     :meth:`after_count_change`). Everything about budgets, protection, scheduling and compaction is
     shared. A subclass declared ``@dataclass`` adds its parameters as fields (after ``budget``,
     before the keyword-only ones) and validates them in :meth:`validate`; every policy takes the
-    keyword-only ``n_prefix``, ``n_recent``, ``ratio``, ``schedule`` and ``telemetry`` documented here.
+    keyword-only ``n_prefix``, ``n_recent``, ``ratio``, ``schedule``, ``allocation`` and ``telemetry``
+    documented here.
 
     Args:
         budget: ``B_max``, evictable tokens per sequence and KV head; None = never evict.
@@ -87,6 +89,10 @@ class EvictionPolicy:
             :class:`~beaconkv.policies.schedules.Schedule`, or its spec for
             :func:`~beaconkv.policies.schedules.parse_schedule` such as ``"buffered:buffer=128"``);
             default :class:`~beaconkv.policies.schedules.AtBudget` (evict at ``budget`` down to ``B_min``).
+        allocation: How an eviction's keep count is split between the KV heads of a layer (an
+            :class:`~beaconkv.policies.allocation.Allocation`, or its spec for
+            :func:`~beaconkv.policies.allocation.parse_allocation` such as ``"head_adaptive"``); default
+            :class:`~beaconkv.policies.allocation.Uniform` (every head keeps ``B_min``).
         telemetry: Record kept positions and observation sets of every eviction.
 
     Invariants (property-tested, under the default schedule):
@@ -106,6 +112,7 @@ class EvictionPolicy:
     n_recent: int = 16
     ratio: float = 7 / 8
     schedule: Schedule = AtBudget()
+    allocation: Allocation = Uniform()
     telemetry: bool = False
 
     #: Short registry name.
@@ -119,8 +126,10 @@ class EvictionPolicy:
 
     def __post_init__(self) -> None:
         self.schedule = parse_schedule(self.schedule)
+        self.allocation = parse_allocation(self.allocation)
         self.validate()
         self.schedule.check(self)
+        self.allocation.check(self)
 
     def validate(self) -> None:
         """Checks the settings (subclasses extend it; called on construction).
@@ -302,10 +311,12 @@ class EvictionPolicy:
         t0 = time.perf_counter()
         kept_counts = self.keep_count(state, rows)
         totals = [state.prefix[b] + k for b, k in zip(rows, kept_counts)]
+        # the fullest head's worst case under a head-adaptive allocation (0: every head keeps the same)
+        extra = [self.allocation.extra_slots(self, k) for k in kept_counts]
         rows_t = state.index(rows)
         t, n_prefix = state.t_dev[rows_t], state.prefix_dev[rows_t]
         keep_total = state.to_device(totals)
-        K = max(totals)
+        K = max(n + e for n, e in zip(totals, extra))
         run = state.executor.run
         if state.executor.layerwise:
             for i, layer in enumerate(state.observers):
@@ -316,8 +327,8 @@ class EvictionPolicy:
             kept_all = run(type(self).evict_all_layers, self, state, rows_t, t, n_prefix, keep_total, K)
             for i, kept in enumerate(kept_all):
                 self._record(state, i, rows, rows_t, t, kept)
-        for b, kept_count in zip(rows, kept_counts):
-            state.count[b] = kept_count
+        for b, kept_count, e in zip(rows, kept_counts, extra):
+            state.count[b] = kept_count + e  # the slots the row's fullest head may hold
             state.settled[b] = self.schedule.settled_after(self, kept_count)
             state.stats.evictions[b] += 1
         state.stats.eviction_calls += 1
@@ -345,6 +356,10 @@ class EvictionPolicy:
         """
         pos = cache.positions(rows)
         scores = protected_scores(self.schedule, self, self.score(state, layer_state, cache, rows, t), pos, t)
+        if self.allocation.adaptive:  # the layer's total split between heads by score
+            key = ranking_key(scores, pos, n_prefix, t, self.n_recent)
+            keep_each = self.schedule.keep(self, self.budget, 0)  # a fixed count (the allocation checked)
+            keep_total = self.allocation.head_counts(self, key, n_prefix, keep_each)  # (b, kv_heads)
         keep, keep_valid = select_keep(scores, pos, n_prefix, t, self.n_recent, keep_total, K)
         kept = torch.where(keep_valid, torch.gather(pos, -1, keep), -1)
         cache.compact(rows, keep, keep_valid)

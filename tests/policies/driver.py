@@ -39,7 +39,8 @@ def drive(
     K/V vector is bit-identical to the one written at that position (dense storage; int8 storage:
     identical to its own quantisation of it); after each eviction the cache holds exactly
     ``n_prefix + B_min`` (or ``n_prefix + keep``, computed by the caller) and the prefix and the last
-    ``n_recent`` positions survive.
+    ``n_recent`` positions survive. Under a head-adaptive allocation an eviction leaves the layer's
+    uniform total over its KV heads, each head within its floor and ceiling.
 
     Returns:
         The cache and the policy's state; ``on_step(step, state)`` is called after every step.
@@ -100,6 +101,7 @@ def check(policy: EvictionPolicy, state: PolicyState, written, evicted: list[boo
     ``keep``, the host's count is checked against the device's length)."""
     if keep is None and isinstance(policy.schedule, AtBudget):
         keep = policy.b_min
+    adaptive = policy.allocation.adaptive
     cache = state.cache
     for i, layer in enumerate(cache.layers):
         wk, wv = written[i]
@@ -107,22 +109,36 @@ def check(policy: EvictionPolicy, state: PolicyState, written, evicted: list[boo
         keys, values = layer.keys(), layer.values()
         pos, length = layer.pos, layer.length
         B, H, C = pos.shape
-        filled = (torch.arange(C)[None, None, :] < length[:, None, None]).expand(B, H, C)
-        assert torch.equal(pos >= 0, filled), "slots 0 .. length-1 are filled, the others empty"
-        later = pos[..., 1:] > pos[..., :-1]
-        assert bool((later | ~filled[..., 1:]).all()), "positions must strictly increase"
+        below = (torch.arange(C)[None, None, :] < length[:, None, None]).expand(B, H, C)
+        filled = pos >= 0
+        if adaptive:  # heads may keep different counts: a head that kept fewer has empty slots below length
+            assert not bool((filled & ~below).any()), "slots from length on are empty"
+        else:
+            assert torch.equal(filled, below), "slots 0 .. length-1 are filled, the others empty"
+        before = pos.cummax(-1).values  # the largest position held in slots 0 .. j (empty slots hold -1)
+        assert bool((pos[..., 1:] > before[..., :-1])[filled[..., 1:]].all()), "positions must strictly increase"
         at = pos.clamp(min=0)
         for got, want in ((keys, wk), (values, wv)):
             expect = _stored(torch.gather(want, 2, at[..., None].expand(-1, -1, -1, want.shape[-1])), storage)
             assert torch.equal(got[filled], expect[filled]), "kept K/V must be the values written at their positions"
         for b in range(B):
             n, prefix, t = int(length[b]), state.prefix[b], state.t[b]
-            assert n == prefix + state.count[b], f"layer {i} seq {b}: {n} slots, the host counts {prefix}+{state.count[b]}"
+            if adaptive:  # the host counts the fullest head's worst case
+                assert n <= prefix + state.count[b], f"layer {i} seq {b}: {n} slots > {prefix}+{state.count[b]}"
+            else:
+                assert n == prefix + state.count[b], f"layer {i} seq {b}: {n} slots, the host counts {prefix}+{state.count[b]}"
             if policy.evicts:  # never past the schedule's eviction point (``budget`` by default)
                 bound = policy.evict_point(state, b)
                 assert n <= prefix + bound, f"layer {i} seq {b}: {n} > {prefix}+{bound}"
             if evicted[b] and keep is not None:
-                assert n == prefix + keep, f"after eviction {n} != {prefix}+{keep}"
+                if adaptive:  # the layer's total is the uniform one; each head within its floor and ceiling
+                    per_head = filled[b].sum(-1).tolist()
+                    assert sum(per_head) == H * (prefix + keep), f"after eviction {per_head} != {H} x ({prefix}+{keep})"
+                    floor = prefix + policy.allocation.floor_count(policy, keep)
+                    ceiling = prefix + keep + policy.allocation.extra_slots(policy, keep)
+                    assert all(floor <= c <= ceiling for c in per_head), f"{per_head} outside [{floor}, {ceiling}]"
+                else:
+                    assert n == prefix + keep, f"after eviction {n} != {prefix}+{keep}"
             if evicted[b]:
                 must = set(range(prefix)) | set(range(max(t - policy.n_recent + 1, 0), t + 1))
                 assert all(must <= set(pos[b, h, :n].tolist()) for h in range(H)), "prefix and recent tokens survive"
