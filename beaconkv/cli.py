@@ -1,6 +1,6 @@
 """The ``beaconkv`` command line: ``generate``, ``demo``, and the measuring and evaluation tools.
 
-Each tool subcommand (``fidelity``, ``analyze``, ``bench``, ``eval``) lives with its package, which
+Each tool subcommand (``fidelity``, ``analyze``, ``lengths``, ``bench``, ``eval``) lives with its package, which
 provides ``add_*_arguments(parser)`` and ``run_*(args)``; this file wires them up, and holds
 ``generate`` and ``demo`` themselves. ``demo`` is the first thing a new user runs: it answers a
 reasoning prompt with BeaconKV at a budget that evicts many times, compiled, then with FullKV, and
@@ -49,6 +49,7 @@ from .execution import CompileConfig
 from .generation import GenerationOutput, generate
 from .measure.analysis import add_analyze_arguments, run_analyze
 from .measure.fidelity.cli import add_fidelity_arguments, run_fidelity
+from .measure.lengths import add_lengths_arguments, run_lengths
 from .measure.speed.cli import add_bench_arguments, run_bench
 from .models.decoder import CausalLM
 from .models.loading import load_model, resolve_device, resolve_dtype
@@ -79,6 +80,8 @@ TOOLS: dict[str, tuple[Callable[[argparse.ArgumentParser], object], Callable[[ar
     "fidelity": (add_fidelity_arguments, run_fidelity,
                  "teacher-forced fidelity of policies vs FullKV on reasoning traces"),
     "analyze": (add_analyze_arguments, run_analyze, "thought-revisiting analysis of a trace (plots + summary)"),
+    "lengths": (add_lengths_arguments, run_lengths,
+                "the length effect: how long each policy and budget writes to end of sequence, vs FullKV"),
     "bench": (add_bench_arguments, run_bench, "decode speed, bandwidth and memory benchmark"),
     "eval": (add_eval_arguments, run_eval_from_args,
              "reasoning benchmarks (AIME24, MATH-500, GPQA, LiveCodeBench): pass@1 per policy and budget"),
