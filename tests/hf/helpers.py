@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
+import torch
+from torch import Tensor
+
+from beaconkv.policies import EvictionPolicy
 from beaconkv.policies.state import EvictionRecord
 
 
@@ -43,3 +48,20 @@ def same_evictions(a: list[EvictionRecord], b: list[EvictionRecord]) -> str | No
         if not torch.equal(x.kept_positions, y.kept_positions):
             return f"record {i} (step {x.step}, layer {x.layer}): different kept positions"
     return None
+
+
+@dataclass
+class NewestQuery(EvictionPolicy):
+    """A user's policy: keeps what the newest query attends to most (its logits, max over the GQA group)."""
+
+    name: ClassVar[str] = "newest_query"
+
+    def query_window(self, max_tokens: int) -> int:
+        return 1
+
+    def score(self, state: Any, layer_state: Any, cache: Any, rows: Tensor, t: Tensor) -> Tensor:
+        q, _ = cache.ring_at(rows, t[:, None])  # (b, heads, 1, head_dim), pre-RoPE
+        q = state.rope.rotate(q, t[:, None])
+        b = q.shape[0]
+        qg = q.view(b, cache.n_kv_heads, cache.group, cache.head_dim)
+        return torch.matmul(qg, cache.keys(rows).transpose(-1, -2)).amax(2)  # (b, kv_heads, capacity)

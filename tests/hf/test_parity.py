@@ -16,7 +16,7 @@ from beaconkv.hf import PolicyCache
 from beaconkv.policies import H2O, RKV, RPC, BeaconKV, FullKV, Periodic, SnapKV, StreamingLLM
 
 from ..conftest import save_tiny_model
-from .helpers import greedy, random_prompts, same_evictions
+from .helpers import NewestQuery, greedy, random_prompts, same_evictions
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,6 +57,7 @@ POLICIES = {
     "rkv": lambda: RKV(32, window=4, n_recent=4, telemetry=True),
     "rpc": lambda: RPC(None, window=8, n_recent=4, schedule=Periodic(period=32, compression=4), telemetry=True),
     "streaming": lambda: StreamingLLM(32, n_sink=2, n_recent=4, telemetry=True),
+    "subclass": lambda: NewestQuery(32, n_recent=4, telemetry=True),  # a user's policy
 }
 
 
