@@ -7,7 +7,8 @@ Needs the optional dependency ``transformers`` (``pip install beaconkv[hf]``).
 
 Modules: :mod:`~beaconkv.hf.cache` (the cache), :mod:`~beaconkv.hf.layer` (its layers),
 :mod:`~beaconkv.hf.attention` (the attention function it runs through), :mod:`~beaconkv.hf.hooks`
-(the forward hooks), :mod:`~beaconkv.hf.rotary` (the model's RoPE as policies use it).
+(the forward hooks), :mod:`~beaconkv.hf.rotary` (the model's RoPE as policies use it),
+:mod:`~beaconkv.hf.generation` (``beaconkv generate --backend hf``).
 """
 
 from .attention import AttentionImplementationError
