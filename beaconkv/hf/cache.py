@@ -28,6 +28,9 @@ makes it ready for the next.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
@@ -66,6 +69,11 @@ class PolicyCache(Cache):
         store: The policy layers' :class:`~beaconkv.cache.KVCache` (None before the prefill), in the order of
             the model's full-attention layers.
         seen: Tokens seen per row, padding included: the logical length transformers is told.
+        observers: What each policy layer's attention reports to (one per policy layer): the policy's
+            observers (``state.observers``) from the prefill on; a measurement may wrap them (e.g. to keep the
+            decode weights), as the native session hands the model observers of its choice.
+        on_written: Called with the cache after every layer wrote a forward's tokens and before the policy
+            acts (its schedule, its evictions); None: nothing. A measurement reads the held positions there.
 
     Raises:
         PolicyCacheError: The model has no full-attention layer, or no rotary module.
@@ -108,6 +116,8 @@ class PolicyCache(Cache):
         self.state: PolicyState | None = None
         self.store: KVCache | None = None
         self.seen = 0
+        self.observers: list[Any] = []
+        self.on_written: Callable[[PolicyCache], None] | None = None
         self._phase: str | None = None
 
     # ------------------------------------------------------------------------------- what the hooks call
@@ -147,7 +157,9 @@ class PolicyCache(Cache):
         self._phase = "decode"
 
     def end_forward(self) -> None:
-        """Ends a forward: the policy's work once every layer has run (its schedule and evictions)."""
+        """Ends a forward: :attr:`on_written`, then the policy's work (its schedule and evictions)."""
+        if self._phase is not None and self.on_written is not None:
+            self.on_written(self)
         if self._phase == "prefill":
             self.seen += self._prompt_positions.shape[1]
             self.policy.after_prefill(self.state, list(range(self.store.batch)))
@@ -173,7 +185,7 @@ class PolicyCache(Cache):
         """Hands policy layer ``index``'s prompt queries ``(batch, heads, L, head_dim)``, rotation undone, to
         its observer."""
         q_pre = invert_rotary(query, cos.unsqueeze(1), sin.unsqueeze(1), self.rope.layout)
-        self.state.observers[index].prefill(self._packed(q_pre), self._prompt_positions, self._valid)
+        self.observers[index].prefill(self._packed(q_pre), self._prompt_positions, self._valid)
 
     def decode_attention(self, index: int, query: Tensor, cos: Tensor, sin: Tensor, scaling: float,
                          sinks: Tensor | None = None, softcap: float | None = None) -> Tensor:
@@ -191,7 +203,7 @@ class PolicyCache(Cache):
         Returns:
             ``(batch, 1, heads, head_dim)``, transformers' layout of an attention output.
         """
-        layer, observer = self._store_layer(index), self.state.observers[index]
+        layer, observer = self._store_layer(index), self.observers[index]
         need = observer.needs_weights
         if sinks is None and softcap is None:
             out, weights = layer.attend(query, scaling, need_weights=need)  # the native decode's own attention
@@ -201,7 +213,7 @@ class PolicyCache(Cache):
             out, weights = attend_with_sinks(qg, layer.keys(), layer.values(), layer.positions() >= 0, scaling,
                                              sinks, softcap)
             out = out.view(B, self.n_heads, 1, self.head_dim)
-        if observer.observes_decode:
+        if getattr(observer, "observes_decode", True):  # a policy's observer says; any other observes
             q_pre = invert_rotary(query, cos.unsqueeze(1), sin.unsqueeze(1), self.rope.layout)
             observer.decode(q_pre, self._positions, weights if need else None)
         return out.transpose(1, 2)
@@ -219,7 +231,7 @@ class PolicyCache(Cache):
     def reset(self) -> None:
         """Forgets the generation: the next forward is a new prefill."""
         super().reset()
-        self.state, self.store, self.seen, self._phase = None, None, 0, None
+        self.state, self.store, self.seen, self._phase, self.observers = None, None, 0, None, []
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The logical length (tokens seen per row, padding included), whatever the layer."""
@@ -252,6 +264,7 @@ class PolicyCache(Cache):
         self.store = KVCache.allocate(len(self._index), batch, self.n_kv_heads, self.n_heads, capacity,
                                       self.head_dim, dtype=self.dtype, device=device)
         self.state = self.policy.create_state(self.store, self.rope, max_tokens=longest + new)
+        self.observers = list(self.state.observers)
         self.policy.admit(self.state, list(range(batch)), lengths)
         self._new_tokens = new
         # the prompt's valid columns first, in order: left (or any) padding packed to the right
