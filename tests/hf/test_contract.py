@@ -75,3 +75,16 @@ def test_a_second_multi_token_forward_and_beam_search_are_refused():
     with pytest.raises(PolicyCacheError, match="beam"):
         model.generate(ids, cache=PolicyCache(model, BeaconKV(64, n_recent=8)), num_beams=2, max_new_tokens=4,
                        do_sample=False, pad_token_id=0)
+
+
+def test_the_issues_three_lines_with_past_key_values():
+    """transformers' older name of the cache argument works as the issue writes it."""
+    model = tiny("qwen2")
+    ids = torch.tensor(random_prompts((11,), seed=5))
+    policy = BeaconKV(32, n_recent=4, n_beacon=4)
+    with pytest.warns(FutureWarning):
+        old = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=PolicyCache(model, policy),
+                             max_new_tokens=60, do_sample=False, pad_token_id=0, eos_token_id=None)
+    new = model.generate(ids, attention_mask=torch.ones_like(ids), cache=PolicyCache(model, policy),
+                         max_new_tokens=60, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(old, new)
