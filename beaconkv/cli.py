@@ -31,6 +31,7 @@ from . import __version__
 from .arguments import (
     DEFAULT_BUDGET,
     WORKLOAD_BUDGETS,
+    add_backend_argument,
     add_kernels_argument,
     add_kv_storage_argument,
     add_model_arguments,
@@ -151,6 +152,8 @@ def _compile_setting(args: argparse.Namespace) -> CompileConfig | bool:
 def run_generation(args: argparse.Namespace, prompts: list[str]) -> int:
     """``beaconkv generate``: validate the settings, load, generate, stream and print the stats."""
     policy = _check_generation_settings(args)  # bad settings fail before anything loads
+    if getattr(args, "backend", "native") == "hf":
+        return run_hf_generation(args, prompts, policy)
     path = model_path(args.model)
     t0 = time.perf_counter()
     model = load_model(path, dtype=args.dtype, device=args.device)
@@ -184,6 +187,34 @@ def run_generation(args: argparse.Namespace, prompts: list[str]) -> int:
         + f"total {s.wall_time_s:.2f}s, decode {s.tokens_per_s:.1f} tokens/s "
         f"({f'compiled, {args.compile_backend}, compile time not counted' if s.compiled else 'eager'}), "
         f"eviction {s.eviction_s:.2f}s ({100 * s.eviction_s / s.wall_time_s:.1f}% of the total)",
+        file=sys.stderr if not getattr(args, "stats_to_stdout", False) else sys.stdout,
+    )
+    return 0
+
+
+def run_hf_generation(args: argparse.Namespace, prompts: list[str], policy: EvictionPolicy) -> int:
+    """``beaconkv generate --backend hf``: the model in transformers, its cache a :class:`~beaconkv.hf.PolicyCache`."""
+    from .hf.generation import check_hf_options, generate_hf, load_hf_model
+
+    check_hf_options(args.compile, args.kv_storage, args.kernels)
+    path = model_path(args.model)
+    t0 = time.perf_counter()
+    model = load_hf_model(path, dtype=args.dtype, device=args.device)
+    tok = load_tokenizer(path)
+    print(f"loaded {path} in transformers ({type(model).__name__}, {model.config._attn_implementation}, "
+          f"{_placement(args)}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    out = generate_hf(model, tok, prompts, policy=policy, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                      chat=not args.raw, eos_token_ids=[] if args.ignore_eos else None)
+    for i, text in enumerate(out.texts or []):
+        print(text if len(prompts) == 1 else f"--- [{i}] ---\n{text}")
+    s = out.stats
+    print(
+        f"\n[{policy!r}, transformers] prompt tokens {s.prompt_tokens}, new tokens {s.new_tokens}, "
+        f"finish {out.finish_reasons}\n"
+        f"cache capacity {s.cache_capacity} slots ({s.cache_bytes / 2**20:.1f} MiB, the policy's layers), "
+        f"peak {s.peak_cache_tokens} tokens, evictions {s.evictions}\n"
+        f"total {s.wall_time_s:.2f}s, {s.tokens_per_s:.1f} tokens/s (prefill included, eager)",
         file=sys.stderr if not getattr(args, "stats_to_stdout", False) else sys.stdout,
     )
     return 0
@@ -478,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     _generation_arguments(g, 256)
+    add_backend_argument(g)
     g.set_defaults(_run=lambda a: run_generation(a, a.prompt))
     d = sub.add_parser("demo", help="BeaconKV vs FullKV on a reasoning prompt: memory, evictions, speed, agreement",
                        description="Answers a reasoning prompt with BeaconKV at a budget that evicts many times "

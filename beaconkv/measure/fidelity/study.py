@@ -284,6 +284,7 @@ def measure_fidelity(
     kv_storage: str = "dense",
     sparse_rule: LengthAwareRule | None = None,
     packed: bool = True,
+    backend: str = "native",
 ) -> list[FidelityRow]:
     """Runs the lock-step study and returns one row per (policy, budget) x (each trace, ``"all"``).
 
@@ -298,6 +299,10 @@ def measure_fidelity(
         kv_storage: Storage of the compressed runs' caches (``"dense"`` or ``"int8"``).
         sparse_rule: The length-aware global/local rule (default :class:`LengthAwareRule`).
         packed: On a CPU, run the stacked dense layers with oneDNN-prepacked weights (see :class:`LockStep`).
+        backend: ``"native"``: ``model`` is beaconkv's decoder (:class:`LockStep`); ``"hf"``: a transformers
+            model, every run a :class:`~beaconkv.hf.PolicyCache`
+            (:class:`~beaconkv.measure.fidelity.hf_lockstep.HFLockStep`; ``stack``, ``kv_storage`` and
+            ``packed`` do not apply).
 
     Returns:
         The rows, ``"all"`` rows first in run order, then per-trace rows.
@@ -312,8 +317,13 @@ def measure_fidelity(
     if not traces:
         raise FidelityError("no trace to force; check --traces / --trace-ids / --num-traces.")
     tokens = forced_tokens(traces, n_tokens)
-    lock = LockStep(model, [r.policy for r in runs], [t.prompt_ids for t in traces], n_tokens, stack=stack,
-                    kv_storage=kv_storage, packed=packed)
+    if backend == "hf":
+        from .hf_lockstep import HFLockStep
+
+        lock = HFLockStep(model, [r.policy for r in runs], [t.prompt_ids for t in traces], n_tokens)
+    else:
+        lock = LockStep(model, [r.policy for r in runs], [t.prompt_ids for t in traces], n_tokens, stack=stack,
+                        kv_storage=kv_storage, packed=packed)
     B = len(traces)
     prompt_len = torch.tensor([len(t.prompt_ids) for t in traces], device=lock.device)
     tallies = [_Tally(B) for _ in runs]

@@ -39,6 +39,7 @@ from ...policies.registry import auto_n_recent, make_policy, policy_parameters
 from .compile_time import COMPILE_PROMPT, add_compile_arguments, markdown_compile, run_compile_section
 from .curve import measure_cost_curve, plot_cost_curve
 from .engine_bench import EngineRow, add_engine_arguments, check_engine_arguments, markdown_engine, run_engine_section
+from .hf_bench import HFBenchRow, add_hf_arguments, markdown_hf, measure_hf
 from .machine import DTYPES, BenchError, cpu_name, streaming_bandwidth
 from .policies import DEFAULT_POLICIES, measure_policies
 from .report import markdown_report
@@ -46,7 +47,7 @@ from .table4 import add_table4_arguments, run_table4_section
 from .targets import evaluate_targets
 from .throughput import measure_throughput
 
-SECTIONS = ("throughput", "curve", "policies", "table4", "engine", "compile")
+SECTIONS = ("throughput", "curve", "policies", "table4", "engine", "compile", "hf")
 
 #: What ``--quick`` costs, measured with ``time beaconkv bench --quick`` on this project's 2-core CPU
 #: (2 threads, the embedded model already converted): with inductor's on-disk cache filled by an
@@ -69,7 +70,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add_device_argument(g)
     add_threads_argument(g)
     g.add_argument("--sections", type=str_list, default=["throughput", "curve", "policies"],
-                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but table4, engine and compile)")
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but table4, engine, compile "
+                        "and hf)")
     g.add_argument("--repeats", type=int, default=2, help="timed runs per figure; the best counts (default 2)")
     g.add_argument("--quick", action="store_true",
                    help=f"a smoke run of every default section at tiny sizes, {QUICK_COST}: fp32, batch 1, 8 "
@@ -109,6 +111,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add_compile_arguments(parser.add_argument_group(
         "compile: cold compile, a second policy, a rerun in a new process, and compiled ms/step layer by layer "
         "vs whole-step (--sections ...,compile)"))
+    add_hf_arguments(parser.add_argument_group(
+        "hf: BeaconKV inside transformers (PolicyCache) vs transformers' DynamicCache vs beaconkv's decoder "
+        "(--sections ...,hf)"))
     parser.add_argument("--out", type=Path, default=Path("results/bench"), help="output directory (default results/bench)")
     return parser
 
@@ -214,6 +219,15 @@ def run_bench(args: argparse.Namespace) -> int:
     if "engine" in args.sections:
         log("engine (continuous batching):")
         results["engine"] = run_engine_section(args, path, device, compile_config, log)
+    if "hf" in args.sections:
+        log(f"hf (PolicyCache, BeaconKV({args.hf_budget})):")
+        from .throughput import load_hf_model
+
+        dtype = DTYPES[args.policy_dtype]
+        rows_hf = measure_hf(load_hf_model(path, dtype, device), load_model(path, dtype=dtype, device=device),
+                             int_list(args.hf_tokens), int_list(args.hf_batches), args.hf_budget,
+                             args.hf_prompt_tokens, log)
+        results["hf"] = {"budget": args.hf_budget, "rows": [asdict(r) for r in rows_hf]}
     if "compile" in args.sections:
         log("compile time (fresh processes):")
         results["compile"] = run_compile_section(args, args.model, device.type, args.policy_dtype, COMPILE_PROMPT, log)
@@ -226,6 +240,8 @@ def run_bench(args: argparse.Namespace) -> int:
         report += "\n\n" + markdown_engine(from_rows, results["engine"]["workload"])
     if "compile" in results:
         report += "\n\n" + markdown_compile(results["compile"])
+    if "hf" in results:
+        report += "\n\n" + markdown_hf([HFBenchRow(**r) for r in results["hf"]["rows"]], results["hf"]["budget"])
     (args.out / "bench.md").write_text(report + "\n")
     print(report)
     log(f"wrote {args.out}/bench.json, bench.md" + (", cost_curve.png" if "curve" in results else "")

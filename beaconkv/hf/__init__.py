@@ -1,0 +1,20 @@
+"""BeaconKV inside Hugging Face transformers: any beaconkv policy on a transformers decoder's cache.
+
+:class:`PolicyCache` is a transformers ``Cache``: pass it to ``model.generate(..., past_key_values=cache)``
+and the model's full-attention layers keep a fixed capacity, evicted by the policy (BeaconKV, the
+baselines, the variants or a user's subclass: the same objects as the native path) while it decodes.
+Needs the optional dependency ``transformers`` (``pip install beaconkv[hf]``).
+
+Modules: :mod:`~beaconkv.hf.cache` (the cache), :mod:`~beaconkv.hf.layer` (its layers),
+:mod:`~beaconkv.hf.attention` (the attention function it runs through), :mod:`~beaconkv.hf.hooks`
+(the forward hooks), :mod:`~beaconkv.hf.rotary` (the model's RoPE as policies use it),
+:mod:`~beaconkv.hf.generation` (``beaconkv generate --backend hf``).
+"""
+
+from .attention import AttentionImplementationError
+from .cache import PolicyCache, PolicyCacheError
+from .layer import PolicyLayer
+from .rotary import HFRotary, RotaryLayoutError
+
+__all__ = ["AttentionImplementationError", "HFRotary", "PolicyCache", "PolicyCacheError", "PolicyLayer",
+           "RotaryLayoutError"]

@@ -1,0 +1,284 @@
+"""``PolicyCache``: a transformers ``Cache`` that runs any beaconkv eviction policy while a model decodes.
+
+::
+
+    cache = PolicyCache(model, policy=BeaconKV(budget=1024))
+    out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4096)
+
+It is a second host of the policies (as ``tests/policies/test_second_host.py`` shows one can be): the
+full-attention layers store their keys and values in a :class:`~beaconkv.cache.KVCache` of fixed capacity
+(post-RoPE keys, a position per slot, compacted in place by the policy), the policy's state is created over
+that store with the model's own rotary module (:class:`~beaconkv.hf.rotary.HFRotary`), and the layers'
+queries reach the policy's observers through transformers' attention registry
+(:mod:`beaconkv.hf.attention`) and forward hooks (:mod:`beaconkv.hf.hooks`). The policy objects are the
+native path's, unchanged.
+
+* **Which layers.** Layers of type ``full_attention`` evict; the layers transformers already bounds
+  (sliding-window, chunked) keep transformers' own layer.
+* **Batches.** Left-padded prompts (transformers' convention) are stored right-packed per row, positions
+  ``0 .. L_b - 1`` as ``generate`` numbers them; every row then evicts at its own steps, as in the native
+  engine.
+* **Positions.** The cache reports its logical length (tokens seen) to transformers; a decode step's
+  positions are the ``position_ids`` of the forward (``generate`` passes them), so a new token is rotated
+  at its logical position however many slots eviction freed.
+
+One cache serves one generation: a prefill, then one token per row per forward. :meth:`PolicyCache.reset`
+makes it ready for the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+
+from ..cache import KVCache
+from ..errors import BeaconKVError
+from ..policies import EvictionPolicy, FullKV
+from ..policies.state import PolicyState
+from .attention import attend_with_sinks, use_policy_attention
+from .hooks import decoder_layers, install_hooks
+from .layer import PolicyLayer
+from .rotary import HFRotary, invert_rotary
+
+
+class PolicyCacheError(BeaconKVError, ValueError):
+    """A model or a call a :class:`PolicyCache` cannot serve; the message names the fix."""
+
+
+class PolicyCache(Cache):
+    """A transformers cache whose full-attention layers a beaconkv policy keeps at a fixed capacity.
+
+    Args:
+        model: The transformers causal LM it serves (``sdpa`` or ``eager`` attention). It is switched to the
+            ``beaconkv:<implementation>`` attention function, which computes exactly what the model's own did
+            with any other cache, and gets forward hooks that act only for a ``PolicyCache``.
+        policy: The eviction policy (settings; its state is created at the prefill). None: keep everything
+            (:class:`~beaconkv.policies.FullKV`, which then needs ``max_new_tokens``).
+        max_new_tokens: Most tokens each row will add; sizes the store (``policy.capacity``) and the policy's
+            query ring. None: the model's ``max_position_embeddings`` less the prompt (a budgeted policy's
+            store is bounded by its budget anyway).
+
+    Attributes:
+        policy: The policy.
+        state: The policy's state over :attr:`store` (None before the prefill): its counters, telemetry,
+            observers.
+        store: The policy layers' :class:`~beaconkv.cache.KVCache` (None before the prefill), in the order of
+            the model's full-attention layers.
+        seen: Tokens seen per row, padding included: the logical length transformers is told.
+        observers: What each policy layer's attention reports to (one per policy layer): the policy's
+            observers (``state.observers``) from the prefill on; a measurement may wrap them (e.g. to keep the
+            decode weights), as the native session hands the model observers of its choice.
+        on_written: Called with the cache after every layer wrote a forward's tokens and before the policy
+            acts (its schedule, its evictions); None: nothing. A measurement reads the held positions there.
+
+    Raises:
+        PolicyCacheError: The model has no full-attention layer, or no rotary module.
+        AttentionImplementationError: The model runs an attention implementation other than sdpa or eager.
+    """
+
+    def __init__(self, model: nn.Module, policy: EvictionPolicy | None = None, *,
+                 max_new_tokens: int | None = None) -> None:
+        config = model.config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        self._index: dict[int, int] = {}
+        layers = []
+        for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind == "full_attention":
+                self._index[i] = len(self._index)
+                layers.append(PolicyLayer(self, self._index[i]))
+            else:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+        if not self._index:
+            raise PolicyCacheError(f"{type(model).__name__} has no full-attention layer (layer types "
+                                   f"{sorted(set(layer_types))}); a policy has nothing to bound, use DynamicCache.")
+        super().__init__(layers=layers)
+        self.policy = policy if policy is not None else FullKV()
+        self.max_new_tokens = max_new_tokens
+        self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.dtype = model.dtype
+        decoder = model.get_decoder()
+        rotary = getattr(decoder, "rotary_emb", None)
+        if rotary is None:
+            raise PolicyCacheError(f"{type(decoder).__name__} has no rotary_emb module; a PolicyCache needs RoPE "
+                                   "(policies re-rotate stored pre-RoPE queries).")
+        self.rope = HFRotary(rotary, self.head_dim)
+        for layer in decoder_layers(model):
+            if not hasattr(layer, "self_attn"):
+                raise PolicyCacheError(f"{type(layer).__name__} has no self_attn module to observe.")
+        use_policy_attention(model)
+        install_hooks(model)
+        self.state: PolicyState | None = None
+        self.store: KVCache | None = None
+        self.seen = 0
+        self.observers: list[Any] = []
+        self.on_written: Callable[[PolicyCache], None] | None = None
+        self._phase: str | None = None
+
+    # ------------------------------------------------------------------------------- what the hooks call
+    def policy_index(self, layer_idx: int) -> int | None:
+        """The index among the policy's layers of model layer ``layer_idx`` (None: a layer transformers keeps)."""
+        return self._index.get(layer_idx)
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the forward under way is a decode step (else the prefill)."""
+        return self._phase == "decode"
+
+    def begin_forward(self, batch: int, n_tokens: int, device: torch.device, attention_mask: Tensor | None,
+                      position_ids: Tensor | None) -> None:
+        """Starts a forward: the first one is the prefill (it admits the rows), each later one a decode step.
+
+        Raises:
+            PolicyCacheError: A later forward of more than one token per row, or another batch size; a
+                keep-everything policy past its ``max_new_tokens``.
+        """
+        if self.state is None:
+            self._start(batch, n_tokens, device, attention_mask)
+            self._phase = "prefill"
+            return
+        if n_tokens != 1 or batch != self.store.batch:
+            raise PolicyCacheError(
+                f"after its prefill a PolicyCache decodes one token per row of its {self.store.batch} rows; this "
+                f"forward has {batch} rows of {n_tokens} tokens. Use a new PolicyCache (or reset() this one) for "
+                "another prompt.")
+        if not self.policy.evicts and self.seen - self._prompt_positions.shape[1] >= self._new_tokens:
+            raise PolicyCacheError(f"{self.policy!r} keeps every token and the store holds prompt + "
+                                   f"max_new_tokens={self._new_tokens}; pass a larger max_new_tokens.")
+        if position_ids is not None:
+            self._positions = position_ids.reshape(batch, -1)[:, -1]
+        else:  # what the model itself numbers the token: the logical length
+            self._positions = torch.full((batch,), self.seen, dtype=torch.long, device=device)
+        self._phase = "decode"
+
+    def end_forward(self) -> None:
+        """Ends a forward: :attr:`on_written`, then the policy's work (its schedule and evictions)."""
+        if self._phase is not None and self.on_written is not None:
+            self.on_written(self)
+        if self._phase == "prefill":
+            self.seen += self._prompt_positions.shape[1]
+            self.policy.after_prefill(self.state, list(range(self.store.batch)))
+        elif self._phase == "decode":
+            self.seen += 1
+            self.policy.after_decode_step(self.state)
+        self._phase = None
+
+    def write(self, index: int, keys: Tensor, values: Tensor) -> None:
+        """Writes a forward's keys and values of policy layer ``index``: the prompt, packed to the left of each
+        row, or one decode token per row.
+
+        Raises:
+            PolicyCacheError: Called outside a forward of the model the cache was made for.
+        """
+        layer = self._store_layer(index)
+        if self._phase == "prefill":
+            layer.write_prefill(self._packed(keys), self._packed(values), self._prompt_positions, self._valid)
+        else:
+            layer.append(keys, values, self._positions)
+
+    def observe_prefill(self, index: int, query: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """Hands policy layer ``index``'s prompt queries ``(batch, heads, L, head_dim)``, rotation undone, to
+        its observer."""
+        q_pre = invert_rotary(query, cos.unsqueeze(1), sin.unsqueeze(1), self.rope.layout)
+        self.observers[index].prefill(self._packed(q_pre), self._prompt_positions, self._valid)
+
+    def decode_attention(self, index: int, query: Tensor, cos: Tensor, sin: Tensor, scaling: float,
+                         sinks: Tensor | None = None, softcap: float | None = None) -> Tensor:
+        """One decode step's attention of policy layer ``index`` over its store; its observer sees the step.
+
+        Args:
+            index: The policy layer.
+            query: ``(batch, heads, 1, head_dim)`` post-RoPE queries.
+            cos: The layer's rotary ``cos`` ``(batch, 1, width)``.
+            sin: Its ``sin``.
+            scaling: Logit scale.
+            sinks: ``(heads,)`` attention-sink logits (gpt-oss), or None.
+            softcap: Logit soft-cap, or None.
+
+        Returns:
+            ``(batch, 1, heads, head_dim)``, transformers' layout of an attention output.
+        """
+        layer, observer = self._store_layer(index), self.observers[index]
+        need = observer.needs_weights
+        if sinks is None and softcap is None:
+            out, weights = layer.attend(query, scaling, need_weights=need)  # the native decode's own attention
+        else:
+            B = query.shape[0]
+            qg = query.view(B, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
+            out, weights = attend_with_sinks(qg, layer.keys(), layer.values(), layer.positions() >= 0, scaling,
+                                             sinks, softcap)
+            out = out.view(B, self.n_heads, 1, self.head_dim)
+        if getattr(observer, "observes_decode", True):  # a policy's observer says; any other observes
+            q_pre = invert_rotary(query, cos.unsqueeze(1), sin.unsqueeze(1), self.rope.layout)
+            observer.decode(q_pre, self._positions, weights if need else None)
+        return out.transpose(1, 2)
+
+    def refuse(self, what: str) -> None:
+        """Raises for an operation a policy cache cannot do.
+
+        Raises:
+            PolicyCacheError: Always.
+        """
+        raise PolicyCacheError(f"a PolicyCache cannot {what}: evicted tokens are gone and the policy's state "
+                               "follows its rows; use greedy or sampled decoding without beams or rollback.")
+
+    # ------------------------------------------------------------------------------- transformers' Cache API
+    def reset(self) -> None:
+        """Forgets the generation: the next forward is a new prefill."""
+        super().reset()
+        self.state, self.store, self.seen, self._phase, self.observers = None, None, 0, None, []
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The logical length (tokens seen per row, padding included), whatever the layer."""
+        if layer_idx < len(self.layers) and not isinstance(self.layers[layer_idx], PolicyLayer):
+            return super().get_seq_length(layer_idx)
+        return self.seen
+
+    # ------------------------------------------------------------------------------- internals
+    def _start(self, batch: int, n_tokens: int, device: torch.device, attention_mask: Tensor | None) -> None:
+        """Allocates the store and the policy's state for the prefill's prompts and admits every row."""
+        if attention_mask is None:
+            valid = torch.ones(batch, n_tokens, dtype=torch.bool, device=device)
+        else:
+            valid = attention_mask.to(device=device, dtype=torch.bool)
+        if valid.shape != (batch, n_tokens):
+            raise PolicyCacheError(f"the prefill's attention_mask has shape {tuple(valid.shape)}, its input "
+                                   f"({batch}, {n_tokens}); a PolicyCache starts empty, with the whole prompt.")
+        lengths = valid.sum(-1).tolist()
+        if min(lengths) < 1:
+            raise PolicyCacheError("a prompt of the batch has no token (its attention_mask row is all 0).")
+        longest = max(lengths)
+        if self.max_new_tokens is not None:
+            new = self.max_new_tokens
+        elif self.policy.evicts and self.max_positions:
+            new = max(self.max_positions - longest, 1)
+        else:
+            raise PolicyCacheError(f"{self.policy!r} keeps every token: pass PolicyCache(..., max_new_tokens=N) "
+                                   "to size its store.")
+        capacity = self.policy.capacity(lengths, new)
+        self.store = KVCache.allocate(len(self._index), batch, self.n_kv_heads, self.n_heads, capacity,
+                                      self.head_dim, dtype=self.dtype, device=device)
+        self.state = self.policy.create_state(self.store, self.rope, max_tokens=longest + new)
+        self.observers = list(self.state.observers)
+        self.policy.admit(self.state, list(range(batch)), lengths)
+        self._new_tokens = new
+        # the prompt's valid columns first, in order: left (or any) padding packed to the right
+        self._order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
+        self._prompt_positions = torch.arange(n_tokens, device=device).expand(batch, n_tokens)
+        self._valid = self._prompt_positions < torch.tensor(lengths, device=device)[:, None]
+
+    def _packed(self, x: Tensor) -> Tensor:
+        """``x`` ``(batch, heads, L, head_dim)`` with each row's prompt tokens moved to its first slots."""
+        B, H, L, D = x.shape
+        return torch.gather(x, 2, self._order.view(B, 1, L, 1).expand(B, H, L, D))
+
+    def _store_layer(self, index: int):
+        if self._phase is None or self.store is None:
+            raise PolicyCacheError("a PolicyCache layer was written outside a forward of the model it was made for; "
+                                   "pass the cache to that model (model.generate(..., past_key_values=cache)).")
+        return self.store[index]
