@@ -26,15 +26,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import BeaconKVError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .cache import PolicyCache
+from .host import PolicyHost
 
 PREFIX = "beaconkv:"
 #: The implementations a PolicyCache can run next to (others fuse the mask away or page the cache).
@@ -56,7 +55,7 @@ class PolicyTap:
         sin: Its ``sin`` table.
     """
 
-    cache: PolicyCache
+    cache: PolicyHost
     index: int
     cos: Tensor
     sin: Tensor

@@ -112,7 +112,7 @@ class PolicyCache(Cache):
             if not hasattr(layer, "self_attn"):
                 raise PolicyCacheError(f"{type(layer).__name__} has no self_attn module to observe.")
         use_policy_attention(model)
-        install_hooks(model)
+        install_hooks(model, PolicyCache)
         self.state: PolicyState | None = None
         self.store: KVCache | None = None
         self.seen = 0

@@ -35,15 +35,20 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(decoder.layers)
 
 
-def install_hooks(model: nn.Module) -> None:
-    """Registers the hooks of the module docstring on ``model`` (once; later calls do nothing)."""
+def install_hooks(model: nn.Module, host: type) -> None:
+    """Registers the hooks of the module docstring on ``model`` (once; later calls do nothing).
+
+    Args:
+        model: The transformers model.
+        host: The cache class the hooks serve (:class:`~beaconkv.hf.PolicyCache`): a forward whose cache is
+            not one passes untouched.
+    """
     if getattr(model, _MARK, False):
         return
-    from .cache import PolicyCache
 
     def model_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
         cache = forward_cache(kwargs)
-        if isinstance(cache, PolicyCache):
+        if isinstance(cache, host):
             ids = kwargs.get("input_ids", args[0] if args else None)
             tokens = ids if ids is not None else kwargs["inputs_embeds"]
             cache.begin_forward(tokens.shape[0], tokens.shape[1], tokens.device, kwargs.get("attention_mask"),
@@ -51,12 +56,12 @@ def install_hooks(model: nn.Module) -> None:
 
     def model_post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         cache = forward_cache(kwargs)
-        if isinstance(cache, PolicyCache):
+        if isinstance(cache, host):
             cache.end_forward()
 
     def attention_pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         cache = forward_cache(kwargs)
-        if not isinstance(cache, PolicyCache):
+        if not isinstance(cache, host):
             return None
         index = cache.policy_index(module.layer_idx)
         if index is None:

@@ -13,13 +13,12 @@ compacts between steps. What transformers asks of a layer it answers in **logica
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .cache import PolicyCache
+from .host import PolicyHost
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -35,7 +34,7 @@ class PolicyLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, cache: PolicyCache, index: int) -> None:
+    def __init__(self, cache: PolicyHost, index: int) -> None:
         super().__init__()
         self.cache, self.index = cache, index
 
