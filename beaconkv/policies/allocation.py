@@ -22,16 +22,15 @@ eviction frequency, never in memory.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
-from .config import PolicyConfigError, check_int, check_number, settings_repr
+from .config import PolicyConfigError, check_int, check_number, parse_settings, settings_repr
 from .schedules import Schedule
 from .selection import EMPTY
 
@@ -200,36 +199,4 @@ def parse_allocation(spec: str | Allocation) -> Allocation:
     Raises:
         PolicyConfigError: An unknown name or setting, or a value the allocation refuses.
     """
-    if isinstance(spec, Allocation):
-        return spec
-    if not isinstance(spec, str):
-        raise PolicyConfigError(f"allocation={spec!r} must be an Allocation or its name "
-                                f"({', '.join(allocation_names())}).")
-    name, _, rest = spec.partition(":")
-    cls = _ALLOCATIONS.get(name.strip().lower().replace("-", "_"))
-    if cls is None:
-        raise PolicyConfigError(f"allocation={spec!r}: unknown allocation {name!r}; use one of "
-                                f"{', '.join(allocation_names())} (e.g. 'head_adaptive:floor=0.2').")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, text = item.partition("=")
-        key = key.strip()
-        if not eq or key not in fields:
-            known = ", ".join(sorted(fields)) or "none"
-            raise PolicyConfigError(f"allocation={spec!r}: {item!r} is not key=value with a setting of "
-                                    f"{cls.__name__} ({known}).")
-        kwargs[key] = _number(text.strip())
-    return cls(**kwargs)
-
-
-def _number(text: str) -> Any:
-    """An int, a float, ``none``, else the text itself (the allocation's check names it)."""
-    if text.lower() == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    return parse_settings("allocation", spec, Allocation, _ALLOCATIONS, "head_adaptive:floor=0.2")

@@ -72,3 +72,55 @@ def settings_repr(obj: Any) -> str:
     changed = [f"{f.name}={getattr(obj, f.name)!r}" for f in dataclasses.fields(obj)
                if f.repr and getattr(obj, f.name) != f.default]
     return f"{type(obj).__name__}({', '.join(changed)})"
+
+
+def parse_settings(what: str, spec: Any, base: type, classes: dict[str, type], example: str) -> Any:
+    """A settings object from ``name[:key=value,...]``, as ``--policy-arg schedule=...`` / ``allocation=...`` give it.
+
+    Args:
+        what: The option's name in messages (``"schedule"``, ``"allocation"``).
+        spec: The text, or an instance of ``base`` (returned as it is).
+        base: The class every result is an instance of.
+        classes: Known names (lower case, ``_`` for ``-``) -> dataclasses.
+        example: A spec shown in the unknown-name message.
+
+    Values are ``true``/``false``, ``none``, ints or floats, else the text itself (the class's own check
+    names it).
+
+    Raises:
+        PolicyConfigError: Not text nor ``base``, an unknown name or setting, or a value the class refuses.
+    """
+    if isinstance(spec, base):
+        return spec
+    names = ", ".join(sorted(classes))
+    if not isinstance(spec, str):
+        raise PolicyConfigError(f"{what}={spec!r} must be a {base.__name__} or its name ({names}).")
+    name, _, rest = spec.partition(":")
+    cls = classes.get(name.strip().lower().replace("-", "_"))
+    if cls is None:
+        raise PolicyConfigError(f"{what}={spec!r}: unknown {what} {name!r}; use one of {names} (e.g. {example!r}).")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq or key not in fields:
+            known = ", ".join(sorted(fields)) or "none"
+            raise PolicyConfigError(f"{what}={spec!r}: {item!r} is not key=value with a setting of {cls.__name__} "
+                                    f"({known}).")
+        kwargs[key] = _setting_value(text.strip())
+    return cls(**kwargs)
+
+
+def _setting_value(text: str) -> Any:
+    lower = text.lower()
+    if lower in ("true", "false"):
+        return lower == "true"
+    if lower == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

@@ -21,16 +21,15 @@ ones) and implements :meth:`~Schedule.evict_at`, :meth:`~Schedule.keep` and :met
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
-from .config import PolicyConfigError, check_int, settings_repr
+from .config import PolicyConfigError, check_int, parse_settings, settings_repr
 
 
 
@@ -257,41 +256,13 @@ def parse_schedule(spec: str | Schedule) -> Schedule:
     ``"budget"``, ``"buffered:buffer=128"``, ``"periodic:period=1024,compression=4,reselect=true"``.
 
     Args:
-        spec: ``name[:key=value,...]`` (values are ints, or ``true``/``false``), or a schedule (returned).
+        spec: ``name[:key=value,...]`` (values are ints, or ``true``/``false``), or a schedule (returned);
+            see :func:`~beaconkv.policies.config.parse_settings`.
 
     Raises:
         PolicyConfigError: An unknown name or setting, or a value the schedule refuses.
     """
-    if isinstance(spec, Schedule):
-        return spec
-    if not isinstance(spec, str):
-        raise PolicyConfigError(f"schedule={spec!r} must be a Schedule or its name ({', '.join(schedule_names())}).")
-    name, _, rest = spec.partition(":")
-    cls = _SCHEDULES.get(name.strip().lower())
-    if cls is None:
-        raise PolicyConfigError(f"schedule={spec!r}: unknown schedule {name!r}; use one of "
-                                f"{', '.join(schedule_names())} (e.g. 'periodic:period=1024,compression=4').")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, text = item.partition("=")
-        key = key.strip()
-        if not eq or key not in fields:
-            known = ", ".join(sorted(fields)) or "none"
-            raise PolicyConfigError(f"schedule={spec!r}: {item!r} is not key=value with a setting of {cls.__name__} "
-                                    f"({known}).")
-        kwargs[key] = _value(text.strip())
-    return cls(**kwargs)
-
-
-def _value(text: str) -> Any:
-    """An int, a bool (``true``/``false``), else the text itself (the schedule's check names it)."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    try:
-        return int(text)
-    except ValueError:
-        return text
+    return parse_settings("schedule", spec, Schedule, _SCHEDULES, "periodic:period=1024,compression=4")
 
 
 def protected_scores(schedule: Schedule, policy: ScheduledPolicy, scores: Tensor, pos: Tensor, t: Tensor) -> Tensor:
