@@ -10,11 +10,16 @@
 #   4. the engine section of the bench on the same Qwen3-4B shape: continuous batching vs static
 #      batches, BeaconKV vs FullKV under one KV-memory limit (32 requests of 64..1024 new tokens).
 #
-# Usage: scripts/gpu_check.sh [--device cuda|cpu] [--smoke] [output dir]   (default dir: $OUT or results/gpu_check)
+# Usage: scripts/gpu_check.sh [--device cuda|cpu] [--smoke] [--only STAGES] [--decode-model M] [output dir]
+#   (default dir: $OUT or results/gpu_check)
 #   --smoke       every stage at tiny shapes (a tiny random Qwen3-shaped model, a few hundred tokens,
 #                 aot_eager graphs, a few CUDA tests): proves that each stage's modules, flags and
 #                 functions exist; `make test` runs `--device cpu --smoke` (tests/test_gpu_check.py).
 #   --device cpu  run the stages on the CPU (only meaningful with --smoke).
+#   --only STAGES comma-separated stage names to run (default: all four), e.g. to rerun the ones that failed:
+#                 parity_and_compile_tests, cuda_graph_decode, table4_qwen3_4b_batch16, engine_qwen3_4b.
+#   --decode-model M  the model of stage 2 (default: embedded; smollm2-135m is its shape with random weights,
+#                 for a machine where the embedded model's package cannot be installed).
 # Each stage has its own time limit; a failing stage is reported and the next one still runs. The exit
 # status is 0 only if every stage passed.
 set -u
@@ -22,17 +27,27 @@ cd "$(dirname "$0")/.."
 DEVICE=cuda
 SMOKE=0
 OUT_DIR="${OUT:-results/gpu_check}"
+ONLY=""
+DECODE_MODEL=""
+STAGES="parity_and_compile_tests cuda_graph_decode table4_qwen3_4b_batch16 engine_qwen3_4b"
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2;;
     --device=*) DEVICE="${1#*=}"; shift;;
     --smoke) SMOKE=1; shift;;
+    --only) ONLY="$2"; shift 2;;
+    --only=*) ONLY="${1#*=}"; shift;;
+    --decode-model) DECODE_MODEL="$2"; shift 2;;
+    --decode-model=*) DECODE_MODEL="${1#*=}"; shift;;
     -h|--help) sed -n '2,20p' "$0"; exit 0;;
     -*) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2;;
     *) OUT_DIR="$1"; shift;;
   esac
 done
 case "$DEVICE" in cuda|cpu) ;; *) echo "gpu_check.sh: --device $DEVICE: choose cuda or cpu" >&2; exit 2;; esac
+for name in ${ONLY//,/ }; do
+  case " $STAGES " in *" $name "*) ;; *) echo "gpu_check.sh: --only $name: no such stage (stages: $STAGES)" >&2; exit 2;; esac
+done
 mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python}"
 [ -x .venv/bin/python ] && PY="${PYTHON:-.venv/bin/python}"
@@ -42,6 +57,7 @@ declare -a SUMMARY
 
 stage() {  # stage <name> <seconds> <command...>
   local name=$1 limit=$2; shift 2
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then return; fi
   local t0=$(date +%s)
   echo "=== $name (limit ${limit}s)"
   timeout --signal=INT --kill-after=10 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
@@ -69,13 +85,14 @@ if [ "$SMOKE" = 1 ]; then
           --compile-backend aot_eager)
   LIMITS=(240 120 120 240)
 else
-  TESTS=(-m cuda tests/test_compile.py tests/execution/test_sync.py)
+  TESTS=(-n 8 -m cuda tests/test_compile.py tests/execution/test_sync.py)  # 8 pytest-xdist workers share the GPU
   DECODE=(--model embedded --dtype bf16 --batch 8 --prompt-tokens 64 --new-tokens 256 --budget 128)
   TABLE4=(--model qwen3-4b --dtype bf16 --batch 16 --generation-tokens 32768 --budget 2048 --cycles 1)
   ENGINE=(--engine-model qwen3-4b --engine-requests 32 --engine-min-new 64 --engine-max-new 1024
           --engine-prompt-tokens 256 --engine-budget 256 --engine-full-slots 8 --engine-max-slots 64)
   LIMITS=(200 120 300 300)
 fi
+[ -n "$DECODE_MODEL" ] && DECODE=(--model "$DECODE_MODEL" "${DECODE[@]:2}")
 
 stage parity_and_compile_tests "${LIMITS[0]}" "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
 stage cuda_graph_decode "${LIMITS[1]}" "$PY" -m beaconkv.measure.speed.graph_decode --device "$DEVICE" "${DECODE[@]}"
@@ -87,8 +104,8 @@ stage engine_qwen3_4b "${LIMITS[3]}" "$PY" -m beaconkv.measure.speed --sections 
 echo
 echo "================ GPU check summary ($(head -1 "$OUT_DIR/device.txt")$([ "$SMOKE" = 1 ] && echo ", smoke")) ================"
 for line in "${SUMMARY[@]}"; do echo "  $line"; done
-grep -E "passed|failed|error" "$OUT_DIR/parity_and_compile_tests.log" | tail -n 1 | sed 's/^/  tests: /'
-grep -E "^(FullKV|BeaconKV)" "$OUT_DIR/cuda_graph_decode.log" | sed 's/^/  decode: /'
+grep -E "passed|failed|error" "$OUT_DIR/parity_and_compile_tests.log" 2>/dev/null | tail -n 1 | sed 's/^/  tests: /'
+grep -E "^(FullKV|BeaconKV)" "$OUT_DIR/cuda_graph_decode.log" 2>/dev/null | sed 's/^/  decode: /'
 [ -f "$OUT_DIR/table4/table4.md" ] && sed 's/^/  /' "$OUT_DIR/table4/table4.md"
 [ -f "$OUT_DIR/engine/bench.md" ] && grep -E "^\| (engine|static|target|.*engine section)" "$OUT_DIR/engine/bench.md" | sed 's/^/  /'
 echo "  total $(( $(date +%s) - START ))s; logs in $OUT_DIR"

@@ -31,8 +31,20 @@ def qwen3_tiny_config() -> ModelConfig:
     )
 
 
-RANDOM_SHAPES: dict[str, Callable[[], ModelConfig]] = {"qwen3-4b": qwen3_4b_config, "qwen3-tiny": qwen3_tiny_config}
-"""Named architectures a benchmark can run with random weights (``--model qwen3-4b``, ``--model qwen3-tiny``)."""
+def smollm2_135m_config() -> ModelConfig:
+    """The architecture of the embedded SmolLM2-135M (llama: 30 layers, hidden 576, 9 query / 3 KV heads of 64,
+    vocab 49152), for speed checks where the embedded model's package cannot be installed."""
+    return ModelConfig(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        max_position_embeddings=8192, tie_word_embeddings=True, rope=RopeConfig(theta=1e5),
+    )
+
+
+RANDOM_SHAPES: dict[str, Callable[[], ModelConfig]] = {
+    "qwen3-4b": qwen3_4b_config, "qwen3-tiny": qwen3_tiny_config, "smollm2-135m": smollm2_135m_config}
+"""Named architectures a benchmark can run with random weights (``--model qwen3-4b``, ``qwen3-tiny``,
+``smollm2-135m``)."""
 
 
 def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> CausalLM:
