@@ -199,7 +199,8 @@ class LayerKVCache(nn.Module):
         qg = q.view(B, self.n_kv_heads, self.group, self.head_dim)  # b (kv g) 1 d -> b kv g d
         mask = (self.pos >= 0).unsqueeze(2)  # (batch, kv_heads, 1, capacity)
         out, weights = self.storage.attend(qg, mask, scale, need_weights=need_weights)
-        return out.view(B, self.n_heads, 1, self.head_dim), weights  # b kv g d -> b (kv g) 1 d
+        # reshape: a CUDA attention kernel may return (b, kv, g, d) in another memory layout than contiguous
+        return out.reshape(B, self.n_heads, 1, self.head_dim), weights  # b kv g d -> b (kv g) 1 d
 
     # ------------------------------------------------------------------------------- reads
     def keys(self, rows: Tensor | None = None) -> Tensor:

@@ -19,7 +19,7 @@ import torch
 import beaconkv
 from beaconkv.execution import CPU_GEMV_LIMITS, CompileConfig, CompileError, lift_cpu_gemv_limit
 from beaconkv.execution import compiled as compiled_module
-from beaconkv.execution.compiled import resolve_compile_config
+from beaconkv.execution.compiled import COMPILE_TAKES_RECOMPILE_LIMIT, resolve_compile_config
 from beaconkv.policies import H2O, BeaconKV, EvictionPolicy, PolicyState, SnapKV, make_policy
 from beaconkv.policies.beacon import _select_queries
 
@@ -210,8 +210,9 @@ def test_compile_argument_and_options():
         resolve_compile_config("yes")
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     plain = CompileConfig(cpu_gemv=False)
+    per_function = {"recompile_limit": compiled_module.RECOMPILE_LIMIT} if COMPILE_TAKES_RECOMPILE_LIMIT else {}
     assert plain.options(cpu) == {"fullgraph": True, "backend": "inductor", "dynamic": None, "mode": None,
-                                  "recompile_limit": compiled_module.RECOMPILE_LIMIT}
+                                  **per_function}
     assert CompileConfig().options(cpu)["options"] == {"post_grad_fusion_options": {"decompose_mm_pass": CPU_GEMV_LIMITS}}
     assert CompileConfig().options(cuda)["mode"] == "reduce-overhead" and CompileConfig().cuda_graphs(cuda)
     assert plain.options(cuda) == CompileConfig().options(cuda)
@@ -407,17 +408,31 @@ def test_only_functions_marked_never_aliasing_drop_the_aliasing_guard_and_only_t
     assert inputs_never_alias(plain) is plain and CompileConfig(backend="eager").options(cpu, plain)["options"]
 
 
-def test_a_function_past_the_recompile_limit_raises_instead_of_running_eagerly(monkeypatch):
+@pytest.mark.parametrize("per_function", [True, False], ids=["torch.compile-argument", "dynamo-config"])
+def test_a_function_past_the_recompile_limit_raises_instead_of_running_eagerly(monkeypatch, per_function):
+    """Both ways the limit is set: ``torch.compile(recompile_limit=)`` (torch 2.12+) and, for older torch
+    (the GPU image's 2.11), dynamo's process-wide ``recompile_limit`` raised to :data:`RECOMPILE_LIMIT`."""
+    import torch._dynamo.config as dynamo_config
+
     from beaconkv.execution.compiled import CompiledExecutor, RecompileWarning
 
+    if per_function and not COMPILE_TAKES_RECOMPILE_LIMIT:
+        pytest.skip(f"torch {torch.__version__}'s torch.compile has no recompile_limit argument (added in 2.12)")
     monkeypatch.setattr(compiled_module, "RECOMPILE_LIMIT", 2)
+    monkeypatch.setattr(compiled_module, "COMPILE_TAKES_RECOMPILE_LIMIT", per_function)
+    with dynamo_config.patch(recompile_limit=1):  # below ours: the fallback must lift it to 2
+        assert ("recompile_limit" in CompileConfig(backend="eager").options(torch.device("cpu"))) == per_function
 
-    def shift_rows(x):
-        return x + 1
+        def shift_rows(x):
+            return x + 1
 
-    executor = CompiledExecutor(CompileConfig(backend="eager", dynamic=False), "cpu")
-    with pytest.warns(RecompileWarning):
-        for n in (1, 2):
-            executor.run(shift_rows, torch.ones(n))
-    with pytest.raises(CompileError, match="(?s)failed on .*shift_rows.*compile=False"):
-        executor.run(shift_rows, torch.ones(3))  # a third graph
+        def shift_rows_too(x):  # its own code object: dynamo keeps the graphs of the other case on shift_rows's
+            return x + 1
+
+        fn = shift_rows if per_function else shift_rows_too
+        executor = CompiledExecutor(CompileConfig(backend="eager", dynamic=False), "cpu")
+        with pytest.warns(RecompileWarning):
+            for n in (1, 2):
+                executor.run(fn, torch.ones(n))
+        with pytest.raises(CompileError, match="(?s)failed on .*shift_rows.*compile=False"):
+            executor.run(fn, torch.ones(3))  # a third graph

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -135,8 +136,9 @@ class CompileConfig:
         """Keyword arguments of ``torch.compile`` for a device (``fullgraph=True`` always), and for ``fn``
         when it is marked :func:`inputs_never_alias`."""
         dynamic = False if self.decode_shape(device) == "regions" else self.dynamic  # see `regions`
-        kwargs: dict[str, Any] = {"fullgraph": True, "backend": self.backend, "dynamic": dynamic,
-                                  "recompile_limit": RECOMPILE_LIMIT}
+        kwargs: dict[str, Any] = {"fullgraph": True, "backend": self.backend, "dynamic": dynamic}
+        if COMPILE_TAKES_RECOMPILE_LIMIT:
+            kwargs["recompile_limit"] = RECOMPILE_LIMIT
         options: dict[str, Any] = {}
         if getattr(fn, _NO_ALIAS_MARK, False):
             options["guard_filter_fn"] = _without_aliasing_guards
@@ -222,6 +224,19 @@ def lift_cpu_gemv_limit() -> bool:
     return True
 
 
+COMPILE_TAKES_RECOMPILE_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
+"""Whether this torch's ``torch.compile`` takes ``recompile_limit`` per function (2.12 and later); before that,
+:func:`compiled` raises dynamo's process-wide ``recompile_limit`` to :data:`RECOMPILE_LIMIT` instead."""
+
+
+def raise_global_recompile_limit() -> None:
+    """For a torch whose ``torch.compile`` has no ``recompile_limit`` argument: lifts dynamo's process-wide
+    limit to at least :data:`RECOMPILE_LIMIT` (never lowers a larger one a user set)."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+
+
 _COMPILED: dict[tuple[Callable[..., Any], CompileConfig, str], Callable[..., Any]] = {}
 
 
@@ -229,6 +244,8 @@ def compiled(fn: Callable[..., Any], config: CompileConfig, device: torch.device
     """The ``torch.compile`` wrapper of one function, shared by every executor with the same settings."""
     key = (fn, config, device.type)
     if key not in _COMPILED:
+        if not COMPILE_TAKES_RECOMPILE_LIMIT:
+            raise_global_recompile_limit()
         _COMPILED[key] = torch.compile(fn, **config.options(device, fn))
     return _COMPILED[key]
 

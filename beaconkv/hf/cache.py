@@ -209,10 +209,10 @@ class PolicyCache(Cache):
             out, weights = layer.attend(query, scaling, need_weights=need)  # the native decode's own attention
         else:
             B = query.shape[0]
-            qg = query.view(B, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
+            qg = query.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
             out, weights = attend_with_sinks(qg, layer.keys(), layer.values(), layer.positions() >= 0, scaling,
                                              sinks, softcap)
-            out = out.view(B, self.n_heads, 1, self.head_dim)
+            out = out.reshape(B, self.n_heads, 1, self.head_dim)
         if getattr(observer, "observes_decode", True):  # a policy's observer says; any other observes
             q_pre = invert_rotary(query, cos.unsqueeze(1), sin.unsqueeze(1), self.rope.layout)
             observer.decode(q_pre, self._positions, weights if need else None)

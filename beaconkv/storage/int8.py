@@ -37,7 +37,7 @@ def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
     amax = x.detach().abs().amax(-1).float()
     exact = amax / QMAX
     scale = exact.to(SCALE_DTYPE)
-    scale = torch.where(scale.float() < exact, torch.nextafter(scale, scale.new_tensor(math.inf)), scale)
+    scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
     inv = torch.where(scale > 0, 1.0 / scale.float().clamp_min(torch.finfo(torch.float32).tiny), 0.0)
     q = torch.round(x.float() * inv[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale

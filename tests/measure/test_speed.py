@@ -281,3 +281,18 @@ def test_compile_section_runs_cold_rerun_then_alternating_speed_runs(monkeypatch
     assert lw["speed_runs"] == 4 and lw["ms_per_step_min"] == 51.0
     table = compile_time.markdown_compile(result)
     assert "| layerwise | 30.0 (15.0) | 33.0 | 12.0 | 5.0 |" in table and "| whole |" in table
+
+
+def test_engine_bench_raises_when_its_requests_fail(llama, monkeypatch):
+    """A failed decode step ends its requests with ``finish_reason="error"`` in the engine; the benchmark must
+    report that error, not a row of 0 tok/s (on the GPU check a failing compile once became a division by 0)."""
+    from beaconkv.measure.speed.engine_bench import run_engine_mode
+    from beaconkv.session import Session
+
+    def broken_step(self, *args, **kwargs):
+        raise ValueError("the step broke")
+
+    monkeypatch.setattr(Session, "step", broken_step)
+    with pytest.raises(RuntimeError, match="a benchmark request failed: .*the step broke") as info:
+        run_engine_mode(llama, None, "beacon", 8, [[5, 6, 7]], [4], 1, False, None)
+    assert isinstance(info.value.__cause__, ValueError)

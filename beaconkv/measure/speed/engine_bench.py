@@ -169,6 +169,15 @@ def warmup_requests(prompts: list[list[int]], slots: int, budget: int | None, mo
     return [Request(prompts[i % len(prompts)], min(n, most), eos_token_ids=[]) for i, n in enumerate(lengths)]
 
 
+def raise_failed(completions: Sequence[Completion]) -> Sequence[Completion]:
+    """Returns ``completions``, or re-raises the first failed request's error: a benchmark whose requests failed
+    has no figures to report (the engine itself only marks them ``finish_reason="error"`` and goes on)."""
+    for c in completions:
+        if c.finish_reason == "error":
+            raise RuntimeError(f"a benchmark request failed: {c.error}") from c.exception
+    return completions
+
+
 def run_engine_mode(model: CausalLM, tokenizer: Tokenizer, policy_name: str, budget: int | None,
                     prompts: list[list[int]], lengths: list[int], slots: int, static: bool,
                     compile_config: CompileConfig | None, kv_storage: str = "dense", kernels: str = "auto") -> EngineRow:
@@ -182,7 +191,7 @@ def run_engine_mode(model: CausalLM, tokenizer: Tokenizer, policy_name: str, bud
                     kernels=kernels)
     requests = [Request(p, n, eos_token_ids=[]) for p, n in zip(prompts, lengths)]
     warm0 = time.perf_counter()
-    engine.run(warmup_requests(prompts, slots, budget, max(lengths)))
+    raise_failed(engine.run(warmup_requests(prompts, slots, budget, max(lengths))))
     warmup = time.perf_counter() - warm0
     engine.stats = type(engine.stats)()
     engine.session.policy_s = 0.0
@@ -190,9 +199,9 @@ def run_engine_mode(model: CausalLM, tokenizer: Tokenizer, policy_name: str, bud
     done: list[Completion] = []
     if static:
         for i in range(0, len(requests), slots):
-            done += engine.run(requests[i : i + slots])
+            done += raise_failed(engine.run(requests[i : i + slots]))
     else:
-        done = engine.run(requests)
+        done = list(raise_failed(engine.run(requests)))
     wall = time.perf_counter() - t0
     ttft = [c.time_to_first_token_s for c in done]
     if static:  # a later batch's requests were submitted when their batch started: count the wait before it
