@@ -296,3 +296,17 @@ def test_engine_bench_raises_when_its_requests_fail(llama, monkeypatch):
     with pytest.raises(RuntimeError, match="a benchmark request failed: .*the step broke") as info:
         run_engine_mode(llama, None, "beacon", 8, [[5, 6, 7]], [4], 1, False, None)
     assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_compile_shapes_include_layer_blocks():
+    from beaconkv.execution import CompileConfig
+    from beaconkv.measure.speed.compile_time import shape_config
+
+    assert shape_config("layerwise-5") == {"layerwise": True, "layer_block": 5}
+    config = CompileConfig(**shape_config("layerwise-5"))
+    assert config.decode_shape(torch.device("cpu")) == "layers" and config.block_size(30) == 5
+    assert config.block_size(36) == 4  # the largest divisor of the layer count up to 5: every block one graph
+    assert shape_config("whole") == {"layerwise": False}
+    for bad in ("layerwise-0", "layerwise-x", "wholestep"):
+        with pytest.raises(ValueError, match=f"unknown shape '{bad}'.*layerwise-N"):
+            shape_config(bad)

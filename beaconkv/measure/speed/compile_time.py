@@ -34,8 +34,26 @@ from typing import Any
 __all__ = ["COMPILE_PROMPT", "CompileRow", "add_compile_arguments", "markdown_compile", "run_compile_section"]
 
 SHAPES = ("layerwise", "regions", "whole")
+"""The named decode-step shapes; ``layerwise-N`` (N decoder layers per graph, :attr:`CompileConfig.layer_block`)
+is accepted too."""
 """The decode step's compiled shapes (:meth:`~beaconkv.execution.CompileConfig.decode_shape`), by the bench's names."""
 _SHAPE_CONFIG = {"layerwise": {"layerwise": True}, "regions": {"regions": True}, "whole": {"layerwise": False}}
+
+
+def shape_config(shape: str) -> dict[str, Any]:
+    """The :class:`~beaconkv.execution.CompileConfig` fields of a shape name: one of :data:`SHAPES`, or
+    ``layerwise-N`` for a layerwise step of up to N decoder layers per graph.
+
+    Raises:
+        ValueError: An unknown name, or N not a positive integer.
+    """
+    if shape in _SHAPE_CONFIG:
+        return _SHAPE_CONFIG[shape]
+    block = shape.removeprefix("layerwise-")
+    if block != shape and block.isdigit() and int(block) >= 1:
+        return {"layerwise": True, "layer_block": int(block)}
+    raise ValueError(f"--compile-shapes: unknown shape {shape!r}; choose from {', '.join(SHAPES)} or layerwise-N "
+                     f"(N decoder layers per graph, e.g. layerwise-5).")
 DECODE_FUNCTIONS = frozenset({"decode_and_sample", "decode_logits", "decode_inputs", "decode_layers", "sample_logits",
                               "last_logits"})
 """The device functions of a decode step (whole or by region; :mod:`beaconkv.session`), by name."""
@@ -82,7 +100,8 @@ def add_compile_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--compile-repeats", type=int, default=3,
                        help="alternating speed runs of every shape (default 3)")
     group.add_argument("--compile-shapes", default="layerwise,regions,whole",
-                       help="decode-step shapes to measure, of layerwise, regions, whole (default all three)")
+                       help="decode-step shapes to measure, of layerwise, regions, whole and layerwise-N (N decoder "
+                            "layers per graph; default layerwise,regions,whole)")
 
 
 def _child(argv: list[str]) -> int:
@@ -104,7 +123,7 @@ def _child(argv: list[str]) -> int:
     model = beaconkv.load_model(path, dtype=spec["dtype"], device=spec["device"])
     ids = isinstance(spec["prompt"], list)  # token ids (a model without a tokenizer), else a chat message
     tok = None if ids else beaconkv.load_tokenizer(path)
-    config = CompileConfig(backend=spec["backend"], **_SHAPE_CONFIG[spec["shape"]])
+    config = CompileConfig(backend=spec["backend"], **shape_config(spec["shape"]))
     n = auto_n_recent(spec["budget"])
 
     def run(name: str) -> Any:
@@ -151,6 +170,8 @@ def run_compile_section(args: argparse.Namespace, model: str | None, device: str
     policies = [p.strip() for p in args.compile_policies.split(",") if p.strip()]
     first, second = policies[0], (policies[1] if len(policies) > 1 else None)
     shapes = [s.strip() for s in args.compile_shapes.split(",") if s.strip()]
+    for shape in shapes:
+        shape_config(shape)  # a bad name fails before any process starts
     base = {"model": model, "device": device, "dtype": dtype, "threads": args.threads, "prompt": prompt,
             "budget": args.compile_budget, "tokens": args.compile_tokens, "backend": args.compile_backend,
             "policy": first}
@@ -172,7 +193,7 @@ def run_compile_section(args: argparse.Namespace, model: str | None, device: str
 
 def _summary(rows: list[CompileRow]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for shape in SHAPES:
+    for shape in dict.fromkeys(r.shape for r in rows):
         cold = [r for r in rows if r.shape == shape and r.run == "cold"]
         rerun = [r for r in rows if r.shape == shape and r.run == "rerun"]
         speed = [r.ms_per_step for r in rows if r.shape == shape and r.run in ("speed", "cold", "rerun")]
