@@ -40,6 +40,9 @@ WORKLOAD_BUDGETS = {"demo": 64, "analyze": 128, "bench": 256}
 #: ``--policy``'s default.
 DEFAULT_POLICY = "beacon"
 
+#: ``--backend``'s choices, the default first: beaconkv's own decoder, or the model in transformers.
+BACKENDS = ("native", "hf")
+
 AddOption = Callable[[Any], None]
 
 #: The functions that add the shared options (a parser or an argument group in, the option added).
@@ -151,7 +154,7 @@ def add_model_argument(parser: Any) -> None:
 @_shared
 def add_backend_argument(parser: Any) -> None:
     """``--backend {native,hf}``: beaconkv's own decoder, or the model in transformers with a ``PolicyCache``."""
-    parser.add_argument("--backend", default="native", choices=("native", "hf"),
+    parser.add_argument("--backend", default=BACKENDS[0], choices=BACKENDS,
                         help="native (default): beaconkv's own decoder (llama, qwen2, qwen3); hf: the model in "
                              "Hugging Face transformers with a beaconkv.hf.PolicyCache (any decoder; the hf extra)")
 

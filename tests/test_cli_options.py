@@ -67,7 +67,7 @@ def divergences(parser: argparse.ArgumentParser) -> list[str]:
 def test_the_shared_options_are_the_ones_users_type_everywhere():
     names = set(reference_actions())
     assert {"--model", "--device", "--dtype", "--policy", "--budget", "--n-recent", "--policy-arg", "--kv-storage",
-            "--kv-cache-dtype", "--max-batch", "--max-num-seqs", "--threads", "--top-k"} <= names
+            "--kv-cache-dtype", "--max-batch", "--max-num-seqs", "--threads", "--top-k", "--backend"} <= names
 
 
 @pytest.mark.parametrize("command", command_params())
@@ -90,6 +90,13 @@ def test_every_command_that_chooses_a_policy_takes_policy_args(command):
         assert "--policy-arg" in options
     if "--budget" in options:
         assert "--policy" in options or "--policies" in options
+
+
+@pytest.mark.parametrize("command", ["generate", "fidelity", "eval"])
+def test_every_command_that_runs_a_transformers_model_takes_the_shared_backend(command):
+    options = {o: a for a in subcommands()[command]._actions for o in a.option_strings}
+    assert meaning(options["--backend"]) == meaning(reference_actions()["--backend"])
+    assert (options["--backend"].default, tuple(options["--backend"].choices)) == ("native", ("native", "hf"))
 
 
 @pytest.mark.parametrize("command", ["generate", "demo", "serve", "eval"])

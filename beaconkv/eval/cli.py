@@ -15,6 +15,7 @@ import argparse
 import sys
 
 from beaconkv.arguments import (
+    add_backend_argument,
     add_device_argument,
     add_dtype_argument,
     add_kv_storage_argument,
@@ -38,6 +39,7 @@ examples:
   torchrun --nproc-per-node 8 -m beaconkv.eval --model ... --benchmark math500 --out results/
   python -m beaconkv.eval --model embedded --benchmark aime24 --limit 2 \\
       --max-new-tokens 64 --policy full
+  beaconkv eval --backend hf --model path/to/any-decoder --benchmark math500 --out results/
 
 AIME24 and MATH-500 are read from the project's data/ folder unless --data FILE or a hub
 location (--hub-repo, --hub-file, --hub-revision) names another source; the other
@@ -47,6 +49,9 @@ All samples of a run flow through one engine of --max-batch cache slots (continu
 batching); each is written to the results as soon as it finishes. Re-running the same command
 skips finished samples; results go to <out>/<benchmark>__<policy>__b<budget>.jsonl and the
 table to <out>/summary.md.
+
+--backend hf runs the model in Hugging Face transformers (any decoder; one sample at a
+time) with the same policy options; it takes neither --compile nor --kv-storage int8.
 """
 
 
@@ -67,6 +72,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     names = ", ".join(f"{n} ({s.description})" for n, s in BENCHMARKS.items())
     data = parser.add_argument_group("model and data")
     add_model_argument(data)
+    add_backend_argument(data)
     data.add_argument("--benchmark", required=True, help=f"one of: {names}")
     data.add_argument(
         "--data",
@@ -148,6 +154,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     Raises:
         PolicyConfigError: An unknown policy or spec, ``--budget`` with ``--policy full``, or a
             parameter set twice (see :func:`beaconkv.arguments.policy_settings`).
+        ValueError: A value :class:`EvalConfig` refuses, such as ``--compile`` or ``--kv-storage int8``
+            with ``--backend hf``.
     """
     field_map: dict[str, str | list[str]] = {}
     for role, column in args.field:
@@ -177,6 +185,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         device=args.device,
         kv_storage=args.kv_storage,
         compile=args.compile,
+        backend=args.backend,
         max_batch=args.max_batch,
         enable_thinking={"auto": None, "true": True, "false": False}[args.enable_thinking],
         save_token_ids=args.save_token_ids,

@@ -1,7 +1,8 @@
 """The settings of one evaluation run, :class:`EvalConfig`, checked before anything is loaded.
 
 Every value the command line passes is validated here — numbers, ``--limit``, ``--dtype``,
-``--kv-storage``, and the policy with its budget and arguments (:meth:`EvalConfig.make_policy`)
+``--kv-storage``, ``--backend`` (and what ``--backend hf`` cannot run), and the policy with its
+budget and arguments (:meth:`EvalConfig.make_policy`)
 — so a mistake fails in one line before a model is loaded or a folder is made. The runner
 (:mod:`beaconkv.eval.runner`) only reads a config; the command line (:mod:`beaconkv.eval.cli`)
 builds one.
@@ -9,11 +10,13 @@ builds one.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from beaconkv.arguments import BACKENDS
 from beaconkv.eval.sandbox import SandboxLimits
 from beaconkv.models.loading import resolve_dtype
 from beaconkv.policies import EvictionPolicy, make_policy
@@ -78,6 +81,12 @@ class EvalConfig:
             :mod:`beaconkv.storage`).
         compile: Compile the decode step and the policy's device work (``torch.compile``; CUDA
             graphs on CUDA). Not a resume setting.
+        backend: ``"native"`` (beaconkv's own decoder, :func:`~beaconkv.eval.backend.load_backend`) or
+            ``"hf"`` (the model in transformers with a :class:`~beaconkv.hf.PolicyCache`,
+            :func:`~beaconkv.eval.hf_backend.load_hf_backend`; needs the ``hf`` extra, stores keys and
+            values densely and decodes eagerly, so it takes neither ``kv_storage="int8"`` nor ``compile``).
+            Used when :func:`~beaconkv.eval.runner.run_eval` loads the model itself; a resume setting
+            (the backends draw samples from different generators).
         enable_thinking: Passed to the chat template when not ``None``.
         save_token_ids: Store the generated token ids in each record.
         code_timeout_s: Wall time limit per code test.
@@ -118,6 +127,7 @@ class EvalConfig:
     device: str = "auto"
     kv_storage: str = "dense"
     compile: bool = False
+    backend: str = "native"
     enable_thinking: bool | None = None
     save_token_ids: bool = False
     code_timeout_s: float = 6.0
@@ -168,6 +178,27 @@ class EvalConfig:
             raise ValueError(
                 f"kv_storage={self.kv_storage!r} is unknown; pass --kv-storage with one of "
                 f"{', '.join(storage_names())}"
+            )
+        self._check_backend()
+
+    def _check_backend(self) -> None:
+        """Refuses an unknown backend, and what ``backend="hf"`` cannot run, before anything loads."""
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"backend={self.backend!r} is unknown; pass --backend with one of {', '.join(BACKENDS)}"
+            )
+        if self.backend != "hf":
+            return
+        if self.compile:
+            raise ValueError(
+                "--backend hf runs transformers' eager decode step; drop --compile (the native backend compiles)."
+            )
+        if self.kv_storage != "dense":
+            raise ValueError(f"--backend hf stores keys and values densely; drop --kv-storage {self.kv_storage}.")
+        if importlib.util.find_spec("transformers") is None:
+            raise ValueError(
+                "--backend hf runs the model in Hugging Face transformers, which is not installed; "
+                "pip install 'beaconkv[hf]', or pass --backend native."
             )
 
     @property
@@ -222,4 +253,5 @@ class EvalConfig:
             "policy_kwargs": json.loads(json.dumps(self.policy_kwargs, sort_keys=True)),
             "enable_thinking": self.enable_thinking,
             "kv_storage": self.kv_storage,
+            "backend": self.backend,
         }

@@ -31,7 +31,8 @@ sample's). Only ``seconds`` depends on the run's timing.
 The policy is built and checked (:meth:`~beaconkv.eval.config.EvalConfig.make_policy`) before
 anything is loaded; one policy object serves every slot. The model is loaded only if some sample is
 still missing, so re-running a finished command just rebuilds the summary, and the results folder
-is made only once the model is loaded. The backend is injectable
+is made only once the model is loaded: beaconkv's own decoder, or with ``config.backend == "hf"`` the
+model in transformers (:mod:`~beaconkv.eval.hf_backend`). The backend is injectable
 (:class:`~beaconkv.eval.backend.GenerationBackend`) so the loop can be tested without a model.
 """
 
@@ -172,8 +173,8 @@ def run_eval(
 
     Args:
         config: The run's configuration.
-        backend: Generation backend; ``None`` loads ``config.model`` with the core library (only
-            if some sample is missing).
+        backend: Generation backend; ``None`` loads ``config.model`` with the core library, or in
+            transformers with ``config.backend == "hf"`` (only if some sample is missing).
         problems: The problems; ``None`` loads them with
             :func:`~beaconkv.eval.datasets.load_benchmark`.
 
@@ -245,9 +246,7 @@ def _run(
     generated = 0
     if pending:
         if backend is None:
-            backend = load_backend(
-                config.model, device=device, dtype=resolve_eval_dtype(config.dtype, device)
-            )
+            backend = _load(config, device)
         out_dir.mkdir(parents=True, exist_ok=True)
         generated = _generate(config, benchmark, label, budget, policy, ctx, backend, pending, out_dir, stem)
     barrier(ctx)
@@ -267,6 +266,17 @@ def _run(
         rank=ctx.rank,
         world_size=ctx.world_size,
     )
+
+
+def _load(config: EvalConfig, device: str) -> GenerationBackend:
+    """The backend ``config.backend`` names, loaded on ``device``: the native one, or the model in transformers."""
+    dtype = resolve_eval_dtype(config.dtype, device)
+    if config.backend == "hf":
+        # late on purpose: transformers is the optional hf extra, and only this choice needs it (no import circle)
+        from beaconkv.eval.hf_backend import load_hf_backend
+
+        return load_hf_backend(config.model, device=device, dtype=dtype)
+    return load_backend(config.model, device=device, dtype=dtype)
 
 
 def _generate(

@@ -5,7 +5,7 @@ records, and the same command split over 2 processes (gloo, torchrun-style envir
 to the same records — token ids included — because every sample has its own seed. For the same
 reason the engine's pool size does not change a record: ``--max-batch 1`` and ``--max-batch 4``
 write the same records, 24 new tokens each. The cache figures of a record are checked against the
-engine's own peak.
+engine's own peak. ``--backend hf`` runs the same command with the model in transformers.
 """
 
 from __future__ import annotations
@@ -164,6 +164,36 @@ def test_cli_with_int8_kv_storage_and_the_project_data(tmp_path, capsys) -> None
     assert (record["problem_id"], record["reference"]) == ("60", "204")  # the project's data/aime24.jsonl
     assert record["settings"]["kv_storage"] == "int8"
     assert 1 <= record["new_tokens"] <= 8 and record["evictions"] >= 1
+
+
+@pytest.mark.slow
+def test_cli_with_the_hf_backend(tmp_path, capsys, monkeypatch) -> None:
+    """``--backend hf``: the embedded model loaded in transformers runs the same harness and writes the rows."""
+    pytest.importorskip("transformers", reason="--backend hf needs the hf extra")
+    from beaconkv.eval import hf_backend
+
+    loads = []
+    real = hf_backend.load_hf_backend
+    monkeypatch.setattr(hf_backend, "load_hf_backend", lambda *a, **k: loads.append((a, k)) or real(*a, **k))
+    out = tmp_path / "hf"
+    argv = [
+        "eval", "--backend", "hf", "--model", "embedded", "--benchmark", "aime24", "--limit", "2", "--samples", "1",
+        "--max-new-tokens", "8", "--policy", POLICY, "--budget", str(BUDGET), "--out", str(out),
+        "--device", "cpu", "--save-token-ids", "--no-progress",
+    ]  # fmt: skip
+    argv += [f"--policy-arg={k}={v}" for k, v in POLICY_KWARGS.items()]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(argv) == 0, capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
+    assert loads == [(("embedded",), {"device": "cpu", "dtype": torch.float32})]
+    records = read(out / "aime24__beacon__b128.jsonl")
+    assert [(r["problem_id"], r["sample_idx"], r["reference"]) for r in records] == [("60", 0, "204"), ("61", 0, "113")]
+    assert all(r["settings"]["backend"] == "hf" for r in records)
+    assert all(1 <= r["new_tokens"] == len(r["token_ids"]) <= 8 and r["evictions"] >= 1 for r in records)
+    assert "| aime24 | beacon | 128 | 2 | 2 |" in capsys.readouterr().out
 
 
 @pytest.mark.slow

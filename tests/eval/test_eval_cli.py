@@ -1,9 +1,11 @@
-"""``beaconkv eval`` and ``python -m beaconkv.eval``: one-line errors (exit 2, no folder left), --kv-storage, defaults."""
+"""``beaconkv eval`` and ``python -m beaconkv.eval``: one-line errors (exit 2, no folder left), --kv-storage,
+--backend, defaults."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import subprocess
 import sys
@@ -32,6 +34,7 @@ def no_model(monkeypatch):
         raise AssertionError("the model was loaded before the input was checked")
 
     monkeypatch.setattr(runner, "load_backend", refuse)
+    monkeypatch.setattr(runner, "_load", refuse)  # either backend
 
 
 @pytest.fixture
@@ -236,19 +239,73 @@ def test_results_of_the_retired_batch_size_setting(tmp_path, capsys, fake_model)
     assert code == 2 and len(err.splitlines()) == 1 and "batch_size" in err and "--tag" in err
 
 
-def test_results_written_before_kv_storage_existed_resume_as_dense(tmp_path, capsys, fake_model) -> None:
+def test_results_written_before_kv_storage_and_backend_existed_resume_as_dense_native(tmp_path, capsys,
+                                                                                      fake_model) -> None:
     data = write_problems(tmp_path / "p.jsonl", PROBLEMS[:2])
     assert main(eval_args(tmp_path / "out", data=data)) == 0
     merged = tmp_path / "out" / "aime24__full.jsonl"
     old = read(merged)
     for r in old:
-        del r["settings"]["kv_storage"]  # as an earlier version wrote them
+        del r["settings"]["kv_storage"], r["settings"]["backend"]  # as an earlier version wrote them
     merged.write_text("".join(json.dumps(r) + "\n" for r in old))
     fake_model.calls.clear()
     assert main(eval_args(tmp_path / "out", "--samples", "2", data=data)) == 0
     assert len(fake_model.calls) == 2  # only the new samples
     assert len(read(merged)) == 4
     capsys.readouterr()
+
+
+# -------------------------------------------------------------------------------------- --backend
+
+
+def test_backend_defaults_to_native_and_is_a_resume_setting(tmp_path) -> None:
+    parser = add_eval_arguments(argparse.ArgumentParser())
+    config = config_from_args(parser.parse_args(["--model", "m", "--benchmark", "aime24"]))
+    assert config.backend == "native" and config.settings()["backend"] == "native"
+    config = config_from_args(parser.parse_args(["--model", "m", "--benchmark", "aime24", "--backend", "hf"]))
+    assert config.backend == "hf" and config.settings()["backend"] == "hf"
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragments"),
+    [
+        (["--compile"], ["--backend hf", "eager", "drop --compile"]),
+        (["--kv-storage", "int8"], ["--backend hf", "densely", "drop --kv-storage int8"]),
+        (["--kv-cache-dtype", "int8"], ["--backend hf", "drop --kv-storage int8"]),
+    ],
+)
+def test_what_the_hf_backend_cannot_run_fails_before_data_and_model(tmp_path, capsys, no_model, extra,
+                                                                    fragments) -> None:
+    code = main(eval_args(tmp_path / "out", "--backend", "hf", *extra, data=tmp_path / "not-read.jsonl"))
+    assert_one_line_error(code, capsys.readouterr().err, tmp_path / "out", *fragments)
+
+
+def test_the_hf_backend_without_transformers_fails_before_data_and_model(tmp_path, capsys, no_model,
+                                                                         monkeypatch) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers"
+                        else find_spec(name, *a))
+    code = main(eval_args(tmp_path / "out", "--backend", "hf", data=tmp_path / "not-read.jsonl"))
+    assert_one_line_error(code, capsys.readouterr().err, tmp_path / "out", "--backend hf", "transformers",
+                          "beaconkv[hf]", "--backend native")
+
+
+def test_an_unknown_backend_is_refused_by_the_parser(tmp_path, capsys, no_model) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(eval_args(tmp_path / "out", "--backend", "vllm"))
+    assert exit_.value.code == 2 and "--backend" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_results_of_the_native_backend_do_not_resume_on_the_hf_backend(tmp_path, capsys, fake_model) -> None:
+    pytest.importorskip("transformers", reason="--backend hf needs the hf extra")
+    data = write_problems(tmp_path / "p.jsonl", PROBLEMS[:2])
+    assert main(eval_args(tmp_path / "out", data=data)) == 0
+    assert [r["settings"]["backend"] for r in read(tmp_path / "out" / "aime24__full.jsonl")] == ["native"] * 2
+    capsys.readouterr()
+    # the backends draw samples from different generators: another experiment, refused before a model loads
+    code = main(eval_args(tmp_path / "out", "--backend", "hf", "--samples", "2", data=data))
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and "backend" in err and "--tag" in err
 
 
 # ------------------------------------------------------------------------------ data in the project
@@ -303,9 +360,13 @@ def _eval_imports() -> dict[str, list[tuple[str, bool]]]:
     return found
 
 
+# The one late import: the transformers backend needs the optional hf extra, so only --backend hf imports it.
+OPTIONAL_LATE_IMPORTS = {("runner", "beaconkv.eval.hf_backend")}
+
+
 def test_project_imports_of_beaconkv_eval_are_at_module_top() -> None:
-    late = [(mod, name) for mod, imports in _eval_imports().items() for name, at_top, _ in imports if not at_top]
-    assert late == []
+    late = {(mod, name) for mod, imports in _eval_imports().items() for name, at_top, _ in imports if not at_top}
+    assert late <= OPTIONAL_LATE_IMPORTS
 
 
 def test_beaconkv_eval_modules_import_no_circle() -> None:
