@@ -51,8 +51,8 @@ DEFAULT_POLICIES = ("beacon", "snapkv", "h2o", "streaming")
 #: ``--budgets``' default: budgets a 1,024-token answer fills several times over.
 DEFAULT_BUDGETS = (64, 128, 256)
 
-__all__ = ["LengthRun", "add_lengths_arguments", "length_runs",
-           "lengths_table", "plot_lengths", "repeated_ngram_rate", "run_lengths"]
+__all__ = ["LengthRun", "add_lengths_arguments", "length_change_interval", "length_runs", "lengths_table",
+           "plot_lengths", "read_length_runs", "repeated_ngram_rate", "run_lengths"]
 
 
 def repeated_ngram_rate(tokens: Sequence[int], n: int = 4) -> float:
@@ -167,21 +167,85 @@ def length_runs(
     return runs
 
 
+def length_change_interval(run: LengthRun, ref: LengthRun, resamples: int = 2000, seed: int = 0,
+                           level: float = 0.95) -> tuple[float, float]:
+    """Paired bootstrap interval of the change of mean length, ``mean(run) / mean(ref) - 1``.
+
+    The prompts are resampled with replacement, the same draw for both runs (each prompt's two lengths stay
+    paired), and the interval is the central ``level`` share of the resampled changes. It says how far a
+    measured change could be from zero by the choice of prompts alone.
+
+    Args:
+        run: The compressed run.
+        ref: The reference (FullKV) run over the same prompts.
+        resamples: Bootstrap draws.
+        seed: Seed of the draws (the interval is reproducible).
+        level: Coverage, in ``(0, 1)``.
+
+    Returns:
+        ``(low, high)`` as fractions (``-0.1`` is 10% shorter).
+
+    Raises:
+        ValueError: Runs over different numbers of prompts, no prompt, or ``level`` outside ``(0, 1)``.
+    """
+    if len(run.lengths) != len(ref.lengths) or not ref.lengths:
+        raise ValueError(f"the runs have {len(run.lengths)} and {len(ref.lengths)} prompts; a paired interval "
+                         "needs the same prompts, at least one")
+    if not 0 < level < 1:
+        raise ValueError(f"level={level} must lie in (0, 1), e.g. 0.95")
+    a = torch.tensor(run.lengths, dtype=torch.float64)
+    b = torch.tensor(ref.lengths, dtype=torch.float64)
+    draw = torch.randint(len(a), (resamples, len(a)), generator=torch.Generator().manual_seed(seed))
+    change = (a[draw].sum(1) / b[draw].sum(1).clamp_min(1.0) - 1).sort().values
+    tail = (1 - level) / 2
+    return change[int(tail * (resamples - 1))].item(), change[int((1 - tail) * (resamples - 1))].item()
+
+
 def lengths_table(runs: Sequence[LengthRun], ngram: int = 4) -> str:
-    """A markdown table of the runs, with each run's change of mean length against the first (FullKV)."""
+    """A markdown table of the runs, with each run's change of mean length against the first (FullKV) and its
+    paired 95% bootstrap interval (:func:`length_change_interval`)."""
     ref = runs[0]
-    lines = [f"| policy | budget | mean length | vs FullKV | median | capped | rep-{ngram} | evictions (mean) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| policy | budget | mean length | vs FullKV | 95% interval | median | capped | rep-{ngram} | "
+             "evictions (mean) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         change = "—" if r is ref else f"{(r.mean_length / ref.mean_length - 1) * 100:+.1f}%"
+        interval = "—" if r is ref else "{:+.0f}% to {:+.0f}%".format(*(100 * x for x in length_change_interval(r, ref)))
         budget = "—" if r.budget is None else str(r.budget)
-        lines.append(f"| {r.policy} | {budget} | {r.mean_length:.1f} | {change} | {r.median_length:.0f} | "
+        lines.append(f"| {r.policy} | {budget} | {r.mean_length:.1f} | {change} | {interval} | {r.median_length:.0f} | "
                      f"{r.capped:.0%} | {r.mean_rep:.3f} | {statistics.fmean(r.evictions):.1f} |")
     return "\n".join(lines) + "\n"
 
 
+def read_length_runs(path: str | Path) -> list[LengthRun]:
+    """The runs of a ``lengths.csv`` that ``beaconkv lengths`` wrote, in its order (FullKV first), so its table
+    can be made again (``lengths_table(read_length_runs(path))``); ``seconds`` is not in the file (0).
+
+    Raises:
+        ValueError: A file without the columns ``beaconkv lengths`` writes.
+    """
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    rep = next((k for k in (rows[0] if rows else {}) if k.startswith("rep")), None)
+    if not rows or rep is None or not {"policy", "budget", "length", "stopped", "evictions"} <= rows[0].keys():
+        raise ValueError(f"{path} is not a lengths.csv of `beaconkv lengths` (columns policy, budget, problem, "
+                         "length, stopped, rep<n>, evictions)")
+    runs: dict[tuple[str, str], LengthRun] = {}
+    for row in rows:
+        key = (row["policy"], row["budget"])
+        if key not in runs:
+            runs[key] = LengthRun(row["policy"], int(row["budget"]) if row["budget"] else None, [], [], [], [], 0.0)
+        run = runs[key]
+        run.lengths.append(int(row["length"]))
+        run.stopped.append(row["stopped"] == "1")
+        run.rep.append(float(row[rep]))
+        run.evictions.append(int(row["evictions"]))
+    return list(runs.values())
+
+
 def plot_lengths(runs: Sequence[LengthRun], path: str | Path, ngram: int = 4) -> Path:
-    """Mean output length and repeated-n-gram rate against the budget, one line per policy, FullKV dashed."""
+    """Mean output length (with each run's paired 95% interval, :func:`length_change_interval`) and
+    repeated-n-gram rate against the budget, one line per policy, FullKV dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,7 +257,12 @@ def plot_lengths(runs: Sequence[LengthRun], path: str | Path, ngram: int = 4) ->
     for name in names:
         mine = sorted((r for r in runs if r.policy == name), key=lambda r: r.budget or 0)
         budgets = [r.budget for r in mine]
-        axes[0].plot(budgets, [r.mean_length for r in mine], marker="o", label=name)
+        # the paired 95% interval of each run's change, around its mean: how much the prompts alone could move it
+        bounds = [length_change_interval(r, ref) for r in mine]
+        means = [r.mean_length for r in mine]
+        spread = [[m - ref.mean_length * (1 + lo) for m, (lo, _) in zip(means, bounds)],
+                  [ref.mean_length * (1 + hi) - m for m, (_, hi) in zip(means, bounds)]]
+        axes[0].errorbar(budgets, means, yerr=spread, marker="o", capsize=4, label=f"{name} (95% interval)")
         axes[1].plot(budgets, [r.mean_rep for r in mine], marker="o", label=name)
     for ax, value, title in ((axes[0], ref.mean_length, "mean output length (tokens)"),
                              (axes[1], ref.mean_rep, f"repeated {ngram}-gram rate")):
