@@ -325,20 +325,6 @@ def test_one_decode_graph_serves_every_block_of_layers_and_compile_time_is_count
     assert eager.stats.compile_s == 0 and eager.token_ids == first.token_ids
 
 
-@pytest.mark.parametrize("make", [lambda: BeaconKV(BUDGET, telemetry=True), lambda: SnapKV(BUDGET, telemetry=True)],
-                         ids=["beacon", "snapkv"])
-def test_a_layer_block_evicts_its_layers_in_one_graph(llama, make):
-    """``layer_block=2`` on the 2-layer model: each eviction is one call of ``evict_layers`` over both layers
-    (not two of ``evict_layer``), with eager's tokens and kept positions."""
-    blocks = dataclasses.replace(TRACE, layerwise=True, layer_block=2)
-    eager, compiled = _both(llama, make(), blocks)
-    calls = compiled.policy_state.executor.calls
-    assert llama.config.num_hidden_layers == 2 and compiled.stats.compiled_evictions == 2
-    assert calls["EvictionPolicy.evict_layers"] == 2 and "EvictionPolicy.evict_layer" not in calls
-    assert compiled.token_ids == eager.token_ids and _kept(compiled) == _kept(eager)
-    assert [r.layer for r in compiled.telemetry] == [0, 1, 0, 1]
-
-
 def test_a_regional_decode_step_is_one_graph_whose_layers_share_one_region(tiny_models):
     """``regions=True``: the decode step is one graph; each decoder layer is a call of one nested compile
     region (traced once), and the tokens are eager's, FullKV and a policy with observers alike (two cache

@@ -17,8 +17,7 @@ class Executor:
     Attributes:
         compiled: Whether functions run as compiled graphs.
         layerwise: Whether per-layer work (an eviction) should be called once per layer (one small graph
-            reused by every layer) rather than as one whole-model call; see :meth:`block_size` for blocks of
-            layers.
+            reused by every layer) rather than as one whole-model call.
         decode_shape: How a decode step runs: ``"eager"``, or a compiled shape (see
             :meth:`~beaconkv.execution.CompileConfig.decode_shape`).
         calls: How many times each function (by qualified name) ran.
@@ -41,11 +40,6 @@ class Executor:
         """Runs ``fn(*args)``; returns what it returns (fresh tensors the caller may keep)."""
         self.calls[fn.__qualname__] += 1
         return fn(*args)
-
-    def block_size(self, n_layers: int) -> int:
-        """Layers per call of layerwise per-layer work (an eviction) in a model of ``n_layers`` layers: 1 here; a
-        compiled executor follows :meth:`~beaconkv.execution.CompileConfig.block_size`, as its decode step does."""
-        return 1
 
     def prepare(self, *objects: Any) -> None:
         """Called once with the objects whose tensors the functions will write in place (caches, states).

@@ -89,8 +89,8 @@ class CompileConfig:
             such a step recompiles with symbolic shapes, so a regional step compiles with static shapes — each
             new cache size or batch is a full recompile. It suits a pool of one size (``beaconkv serve``, the
             engine); not checked on a GPU.
-        layer_block: Most decoder layers per graph of a layerwise decode step, and of a layerwise eviction: the
-            blocks are the largest divisor of the layer count up to this, so that one graph serves every block. Each graph call
+        layer_block: Most decoder layers per graph of a layerwise decode step: the blocks are the largest
+            divisor of the layer count up to this, so that one graph serves every block. Each graph call
             costs its guards and wrappers, each layer in a block adds to the compile. Measured on the
             embedded 30-layer model (this project's 2-core AVX2 CPU, 1 thread, cold inductor cache, FullKV):
             1 layer per graph compiled in 20 s and decoded at 60-67 ms/step, 3 in 27 s at 47-54, 5 in 30 s
@@ -362,11 +362,6 @@ class CompiledExecutor(Executor):
         # a layer region is an input of the step's graph, its module floats (attention's scale) with it: dynamo
         # would lift them as unbacked symbolic floats, which a kernel's float argument cannot take
         self._specialize_floats = self.decode_shape == "regions"
-
-    def block_size(self, n_layers: int) -> int:
-        """Layers per call of a layerwise eviction: :attr:`CompileConfig.layer_block`'s block, like the decode step's
-        (one graph serves every block)."""
-        return self.config.block_size(n_layers)
 
     def prepare(self, *objects: Any) -> None:
         """Marks the tensors of ``objects`` (caches, policy states) as static addresses under CUDA graphs.

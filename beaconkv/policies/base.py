@@ -318,19 +318,11 @@ class EvictionPolicy:
         keep_total = state.to_device(totals)
         K = max(n + e for n, e in zip(totals, extra))
         run = state.executor.run
-        block = state.executor.block_size(len(state.observers)) if state.executor.layerwise else 0
-        if block == 1:
+        if state.executor.layerwise:
             for i, layer in enumerate(state.observers):
                 kept = run(type(self).evict_layer, self, state, state.layers[i], layer, rows_t, t, n_prefix,
                            keep_total, K)
                 self._record(state, i, rows, rows_t, t, kept)
-        elif block > 1:  # blocks of layers, one graph serving every block (CompileConfig.layer_block)
-            for start in range(0, len(state.observers), block):
-                stop = start + block
-                kept_block = run(type(self).evict_layers, self, state, tuple(state.layers[start:stop]),
-                                 tuple(state.observers[start:stop]), rows_t, t, n_prefix, keep_total, K)
-                for i, kept in enumerate(kept_block, start):
-                    self._record(state, i, rows, rows_t, t, kept)
         else:
             kept_all = run(type(self).evict_all_layers, self, state, rows_t, t, n_prefix, keep_total, K)
             for i, kept in enumerate(kept_all):
@@ -372,15 +364,6 @@ class EvictionPolicy:
         kept = torch.where(keep_valid, torch.gather(pos, -1, keep), -1)
         cache.compact(rows, keep, keep_valid)
         return kept
-
-    def evict_layers(
-        self, state: PolicyState, layer_states: tuple[Any, ...], caches: tuple[ObservedLayer, ...], rows: Tensor,
-        t: Tensor, n_prefix: Tensor, keep_total: Tensor, K: int,
-    ) -> list[Tensor]:
-        """:meth:`evict_layer` over a block of consecutive layers, as one device function (a layerwise compile with
-        ``CompileConfig(layer_block > 1)``: one graph serves every block of the same size)."""
-        return [self.evict_layer(state, layer_state, cache, rows, t, n_prefix, keep_total, K)
-                for layer_state, cache in zip(layer_states, caches)]
 
     def evict_all_layers(
         self, state: PolicyState, rows: Tensor, t: Tensor, n_prefix: Tensor, keep_total: Tensor, K: int
