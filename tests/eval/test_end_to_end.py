@@ -37,6 +37,11 @@ ARGS = dict(
 )  # fmt: skip
 
 
+# every in-process run of the module on one thread, like the distributed ranks (OMP_NUM_THREADS=1): the same
+# arithmetic in every test, so their records compare
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 def read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -49,14 +54,9 @@ def comparable(records: list[dict]) -> list[dict]:
 def single_run(tmp_path_factory, project_data):
     """The reference: one process, one thread, in this interpreter."""
     out = tmp_path_factory.mktemp("single")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the distributed ranks below run with OMP_NUM_THREADS=1
-    try:
-        backend = load_backend("embedded", device="cpu", dtype=torch.float32)
-        cfg = EvalConfig(model="embedded", data=project_data / "aime24.jsonl", out_dir=out, progress=False, **ARGS)
-        report = run_eval(cfg, backend=backend)
-    finally:
-        torch.set_num_threads(threads)
+    backend = load_backend("embedded", device="cpu", dtype=torch.float32)
+    cfg = EvalConfig(model="embedded", data=project_data / "aime24.jsonl", out_dir=out, progress=False, **ARGS)
+    report = run_eval(cfg, backend=backend)
     return cfg, backend, report
 
 
@@ -87,12 +87,7 @@ def test_resume_regenerates_only_missing_samples_identically(single_run, tmp_pat
     records = read(report.results_file)
     merged.write_text("".join(json.dumps(r) + "\n" for r in records[::2]))  # lose samples 1 and 3
     cfg_here = EvalConfig(**{**cfg.__dict__, "out_dir": out})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        resumed = run_eval(cfg_here, backend=backend)
-    finally:
-        torch.set_num_threads(threads)
+    resumed = run_eval(cfg_here, backend=backend)
     assert (resumed.generated, resumed.skipped) == (2, 2)
     assert comparable(read(merged)) == comparable(records)
     again = run_eval(cfg_here, backend=backend)
@@ -154,12 +149,7 @@ def test_cli_with_int8_kv_storage_and_the_project_data(tmp_path, capsys) -> None
         "--device", "cpu", "--kv-storage", "int8", "--no-progress",
     ]  # fmt: skip
     argv += [f"--policy-arg={k}={v}" for k, v in POLICY_KWARGS.items()]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main(argv) == 0, capsys.readouterr().err
-    finally:
-        torch.set_num_threads(threads)
+    assert main(argv) == 0, capsys.readouterr().err
     (record,) = read(out / "aime24__beacon__b128.jsonl")
     assert (record["problem_id"], record["reference"]) == ("60", "204")  # the project's data/aime24.jsonl
     assert record["settings"]["kv_storage"] == "int8"
@@ -182,12 +172,7 @@ def test_cli_with_the_hf_backend(tmp_path, capsys, monkeypatch) -> None:
         "--device", "cpu", "--save-token-ids", "--no-progress",
     ]  # fmt: skip
     argv += [f"--policy-arg={k}={v}" for k, v in POLICY_KWARGS.items()]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main(argv) == 0, capsys.readouterr().err
-    finally:
-        torch.set_num_threads(threads)
+    assert main(argv) == 0, capsys.readouterr().err
     assert loads == [(("embedded",), {"device": "cpu", "dtype": torch.float32})]
     records = read(out / "aime24__beacon__b128.jsonl")
     assert [(r["problem_id"], r["sample_idx"], r["reference"]) for r in records] == [("60", 0, "204"), ("61", 0, "113")]
@@ -205,13 +190,8 @@ def test_max_batch_does_not_change_the_records(tmp_path, capsys) -> None:
         "--save-token-ids", "--no-progress",
     ]  # fmt: skip
     argv += [f"--policy-arg={k}={v}" for k, v in POLICY_KWARGS.items()]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for max_batch in (1, 4):
-            assert main([*argv, "--max-batch", str(max_batch), "--out", str(tmp_path / str(max_batch))]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    for max_batch in (1, 4):
+        assert main([*argv, "--max-batch", str(max_batch), "--out", str(tmp_path / str(max_batch))]) == 0
     capsys.readouterr()
     one, four = (read(tmp_path / str(b) / "aime24__beacon__b128.jsonl") for b in (1, 4))
     assert [(r["problem_id"], r["sample_idx"]) for r in one] == [("60", 0), ("60", 1), ("61", 0), ("61", 1)]
@@ -223,19 +203,14 @@ def test_max_batch_does_not_change_the_records(tmp_path, capsys) -> None:
 def test_cache_figures_match_the_engines_own_peak(single_run) -> None:
     _, backend, _ = single_run
     prompt = backend.tokenizer.encode_prompt("Count to twenty: one, two, three,")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for policy in (None, make_policy("beacon", budget=16, n_prefix=4, n_recent=2)):
-            engine = backend.make_engine(policy=policy, max_batch=1, prompt_capacity=len(prompt), max_new_tokens=20,
-                                         kv_storage="dense", compile=False)  # fmt: skip
-            assert engine.slot_capacity == engine.cache_figures(engine.run([Request(prompt, 1)])[0]).capacity
-            for new in (1, 5, 20):  # growing peaks: the engine's peak over all its requests is the latest one's
-                (done,) = engine.run([Request(prompt, max_new_tokens=new, eos_token_ids=[])])
-                assert engine.cache_figures(done).peak_tokens == engine.session.state.peak_tokens
-            assert (done.evictions > 0) == (policy is not None)  # the figures hold across evictions too
-    finally:
-        torch.set_num_threads(threads)
+    for policy in (None, make_policy("beacon", budget=16, n_prefix=4, n_recent=2)):
+        engine = backend.make_engine(policy=policy, max_batch=1, prompt_capacity=len(prompt), max_new_tokens=20,
+                                     kv_storage="dense", compile=False)  # fmt: skip
+        assert engine.slot_capacity == engine.cache_figures(engine.run([Request(prompt, 1)])[0]).capacity
+        for new in (1, 5, 20):  # growing peaks: the engine's peak over all its requests is the latest one's
+            (done,) = engine.run([Request(prompt, max_new_tokens=new, eos_token_ids=[])])
+            assert engine.cache_figures(done).peak_tokens == engine.session.state.peak_tokens
+        assert (done.evictions > 0) == (policy is not None)  # the figures hold across evictions too
 
 
 @pytest.mark.slow
