@@ -356,11 +356,12 @@ class EvictionPolicy:
         """
         pos = cache.positions(rows)
         scores = protected_scores(self.schedule, self, self.score(state, layer_state, cache, rows, t), pos, t)
+        key = None
         if self.allocation.adaptive:  # the layer's total split between heads by score
             key = ranking_key(scores, pos, n_prefix, t, self.n_recent)
             keep_each = self.schedule.keep(self, self.budget, 0)  # a fixed count (the allocation checked)
             keep_total = self.allocation.head_counts(self, key, n_prefix, keep_each)  # (b, kv_heads)
-        keep, keep_valid = select_keep(scores, pos, n_prefix, t, self.n_recent, keep_total, K)
+        keep, keep_valid = select_keep(scores, pos, n_prefix, t, self.n_recent, keep_total, K, key=key)
         kept = torch.where(keep_valid, torch.gather(pos, -1, keep), -1)
         cache.compact(rows, keep, keep_valid)
         return kept

@@ -41,6 +41,7 @@ def select_keep(
     n_recent: int,
     keep_total: Tensor,
     keep_max: int | None = None,
+    key: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Chooses the slots to keep: prefix and recent tokens, then the best-scored, in position order.
 
@@ -54,6 +55,8 @@ def select_keep(
             head (a head-adaptive allocation, :mod:`beaconkv.policies.allocation`).
         keep_max: ``max(keep_total)`` when the caller knows it on the host; None reads it from the
             device (a sync and a data-dependent shape — always pass it inside compiled code).
+        key: :func:`ranking_key` of these arguments when the caller already made it (a head-adaptive
+            allocation ranks with it first); None makes it here.
 
     Returns:
         ``(keep, keep_valid)``, both ``(b, kv_heads, K)`` with ``K = max(keep_total)``: slot indices
@@ -63,7 +66,8 @@ def select_keep(
     capacity or on the other sequences of the batch.
     """
     filled = pos >= 0
-    key = ranking_key(scores, pos, n_prefix, t, n_recent)
+    if key is None:
+        key = ranking_key(scores, pos, n_prefix, t, n_recent)
     # stable sort: first newest-first by position, then by score descending
     by_pos = torch.argsort(pos, dim=-1, descending=True, stable=True)
     order = torch.gather(
