@@ -25,3 +25,19 @@ def test_embedded_model_writes_english():
     model, tok = beaconkv.load_model(path), beaconkv.load_tokenizer(path)
     out = beaconkv.generate(model, tok, ["What is the capital of France?"], chat=True, max_new_tokens=12)
     assert "Paris" in out.texts[0]
+
+
+def test_the_random_smollm2_shape_is_the_embedded_models():
+    """``--model smollm2-135m`` (random weights, for a machine without the embedded model's package) must keep
+    the embedded model's architecture, or its speed figures stop standing for the embedded model's."""
+    from beaconkv.models.config import ModelConfig
+    from beaconkv.models.random_weights import smollm2_135m_config
+
+    embedded = ModelConfig.from_file(beaconkv.embedded_model_path() / "config.json")
+    shape = smollm2_135m_config()
+    for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "qk_norm",
+                  "attention_bias"):
+        assert getattr(shape, field) == getattr(embedded, field), field
+    assert shape.rope.theta == embedded.rope.theta
+    assert abs(shape.rms_norm_eps - embedded.rms_norm_eps) < 1e-9
