@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import BeaconKVError
+from .inplace import scatter_
 from .storage import KVStorage, make_storage
 
 
@@ -172,7 +173,7 @@ class LayerKVCache(nn.Module):
         self.storage.append(slot, k, v)
         held = torch.where(self.active, positions, -1)
         index = slot.view(B, 1, 1).expand(B, self.n_kv_heads, 1)
-        self.pos.scatter_(2, index, held.view(B, 1, 1).expand(B, self.n_kv_heads, 1))
+        scatter_(self.pos, 2, index, held.view(B, 1, 1).expand(B, self.n_kv_heads, 1))
         self.length.add_(self.active.long())
 
     def last_slot(self) -> Tensor:

@@ -21,6 +21,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from ..inplace import scatter_
 from .observer import ObservedLayer
 from .beacon import BeaconKV, BeaconLayer, BeaconState
 from .config import check_int, check_number
@@ -117,12 +118,12 @@ class EventBeaconKV(BeaconKV):
         nxt = layer_state.next_slot  # (batch, heads)
         write = nxt.unsqueeze(-1)  # (batch, heads, 1)
         old_q = torch.gather(events.q, 2, write.unsqueeze(-1).expand_as(q))
-        events.q.scatter_(2, write.unsqueeze(-1).expand_as(q), torch.where(flag[..., None, None], q.to(events.q.dtype),
-                                                                          old_q))
+        scatter_(events.q, 2, write.unsqueeze(-1).expand_as(q),
+                 torch.where(flag[..., None, None], q.to(events.q.dtype), old_q))
         old_pos = torch.gather(events.pos, 2, write)
-        events.pos.scatter_(2, write, torch.where(flag[..., None], t[:, None, None].expand_as(old_pos), old_pos))
+        scatter_(events.pos, 2, write, torch.where(flag[..., None], t[:, None, None].expand_as(old_pos), old_pos))
         old_valid = torch.gather(events.valid, 2, write)
-        events.valid.scatter_(2, write, old_valid | flag[..., None])
+        scatter_(events.valid, 2, write, old_valid | flag[..., None])
         nxt.copy_(torch.remainder(nxt + flag.long(), self.n_events))
         if layer_state.events is state.layers[0].events:  # count once per step, on layer 0
             state.flagged.add_(flag.long().sum(-1))

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..cache import CacheCapacityError, LayerKVCache
+from ..inplace import scatter_
 from .state import PolicyState
 
 
@@ -99,9 +100,9 @@ class QueryRing:
         B = q_pre.shape[0]
         held = torch.where(active, positions, -1)
         qslot = torch.remainder(positions, self.window).view(B, 1)
-        self.queries.scatter_(2, qslot.view(B, 1, 1, 1).expand(B, self.n_heads, 1, self.head_dim),
-                              q_pre.to(self.queries.dtype))
-        self.query_pos.scatter_(1, qslot, held.view(B, 1))
+        scatter_(self.queries, 2, qslot.view(B, 1, 1, 1).expand(B, self.n_heads, 1, self.head_dim),
+                 q_pre.to(self.queries.dtype))
+        scatter_(self.query_pos, 1, qslot, held.view(B, 1))
 
     def ring(self, rows: Tensor, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The queries whose positions lie in ``(lo, hi]``.
@@ -274,7 +275,7 @@ class ObservedLayer:
             B = positions.shape[0]
             index = self.cache.last_slot().view(B, 1, 1).expand(B, self.n_kv_heads, 1)
             for buf in self.slot_buffers.values():
-                buf.scatter_(2, index, 0)
+                scatter_(buf, 2, index, 0)
         if self.ring_buffer is not None:
             self.ring_buffer.append(q_pre, positions, self.state.active)
         if weights is not None:

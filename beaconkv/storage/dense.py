@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..inplace import scatter_
 from ..kernels.attention import mixed_attention_applies
 from .base import KVStorage, StorageError, gather_slots, put_front, token_index
 
@@ -53,8 +54,8 @@ class DenseKV(KVStorage):
     def append(self, slot: Tensor, k: Tensor, v: Tensor) -> None:
         B, H, _, D = k.shape
         idx = slot.view(B, 1, 1, 1).expand(B, H, 1, D)
-        self.k.scatter_(2, idx, k.to(self.storage_dtype))
-        self.v.scatter_(2, idx, v.to(self.storage_dtype))
+        scatter_(self.k, 2, idx, k.to(self.storage_dtype))
+        scatter_(self.v, 2, idx, v.to(self.storage_dtype))
 
     def _read(self, buf: Tensor, rows: Tensor | None) -> Tensor:
         out = buf if rows is None else buf[rows]

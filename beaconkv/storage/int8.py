@@ -18,6 +18,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..inplace import scatter_
 from .base import KVStorage, gather_slots, put_front, token_index
 
 #: Largest quantised magnitude (symmetric range, -128 unused).
@@ -83,8 +84,8 @@ class Int8KV(KVStorage):
         idx = slot.view(B, 1, 1)
         for name, x in (("k", k), ("v", v)):
             q, scale = quantize(x)  # (B, H, 1, D), (B, H, 1)
-            getattr(self, f"{name}_q").scatter_(2, idx[..., None].expand(B, H, 1, D), q)
-            getattr(self, f"{name}_scale").scatter_(2, idx.expand(B, H, 1), scale)
+            scatter_(getattr(self, f"{name}_q"), 2, idx[..., None].expand(B, H, 1, D), q)
+            scatter_(getattr(self, f"{name}_scale"), 2, idx.expand(B, H, 1), scale)
 
     def _read(self, name: str, rows: Tensor | None) -> Tensor:
         q, scale = getattr(self, f"{name}_q"), getattr(self, f"{name}_scale")

@@ -36,7 +36,6 @@ __all__ = ["COMPILE_PROMPT", "CompileRow", "add_compile_arguments", "markdown_co
 SHAPES = ("layerwise", "regions", "whole")
 """The named decode-step shapes; ``layerwise-N`` (N decoder layers per graph, :attr:`CompileConfig.layer_block`)
 is accepted too."""
-"""The decode step's compiled shapes (:meth:`~beaconkv.execution.CompileConfig.decode_shape`), by the bench's names."""
 _SHAPE_CONFIG = {"layerwise": {"layerwise": True}, "regions": {"regions": True}, "whole": {"layerwise": False}}
 
 
