@@ -26,7 +26,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor, nn
 
 from ..cache import LayerCache
@@ -83,9 +82,11 @@ class Attention(nn.Module):
 
         ``q_pre`` is the query after ``q_norm`` and before RoPE; ``q`` and ``k`` are rotated.
         """
-        q = rearrange(self.q_proj(x), "b l (h d) -> b h l d", d=self.head_dim)
-        k = rearrange(self.k_proj(x), "b l (h d) -> b h l d", d=self.head_dim)
-        v = rearrange(self.v_proj(x), "b l (h d) -> b h l d", d=self.head_dim)
+        # (batch, seq, heads * head_dim) -> (batch, heads, seq, head_dim); plain views, not einops: dynamo
+        # traces einops' own parsing and caches and guards on them at every call of a compiled layer
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.k_norm is not None:
@@ -137,4 +138,4 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
             )
-        return self.o_proj(rearrange(out, "b h l d -> b l (h d)"))
+        return self.o_proj(out.transpose(1, 2).flatten(2))  # (batch, heads, seq, head_dim) -> (batch, seq, hidden)
