@@ -82,11 +82,7 @@ class Attention(nn.Module):
 
         ``q_pre`` is the query after ``q_norm`` and before RoPE; ``q`` and ``k`` are rotated.
         """
-        # (batch, seq, heads * head_dim) -> (batch, heads, seq, head_dim); plain views, not einops: dynamo
-        # traces einops' own parsing and caches and guards on them at every call of a compiled layer
-        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.k_norm is not None:
@@ -139,3 +135,8 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
             )
         return self.o_proj(out.transpose(1, 2).flatten(2))  # (batch, heads, seq, head_dim) -> (batch, seq, hidden)
+
+    def _heads(self, t: Tensor) -> Tensor:
+        """``(batch, seq, heads * head_dim) -> (batch, heads, seq, head_dim)``, as plain views: not einops,
+        whose parsing and caches dynamo traces and guards on at every call of a compiled layer."""
+        return t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
