@@ -53,6 +53,8 @@ def shape_config(shape: str) -> dict[str, Any]:
         return {"layerwise": True, "layer_block": int(block)}
     raise ValueError(f"--compile-shapes: unknown shape {shape!r}; choose from {', '.join(SHAPES)} or layerwise-N "
                      f"(N decoder layers per graph, e.g. layerwise-5).")
+
+
 DECODE_FUNCTIONS = frozenset({"decode_and_sample", "decode_logits", "decode_inputs", "decode_layers", "sample_logits",
                               "last_logits"})
 """The device functions of a decode step (whole or by region; :mod:`beaconkv.session`), by name."""
