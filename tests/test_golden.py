@@ -8,6 +8,12 @@ code took the exact minimum of GEMM-rounded scores (a later duplicate could win)
 runs here with ``ContinualFPS(tie_rtol=0)`` — the old rule — so that the refactor itself is checked
 bit for bit; :func:`test_the_tie_rule_changes_only_rows_with_duplicate_candidates` checks the
 default rule's difference.
+
+KNorm's entries were recorded again when its ranking learned the same lesson: two copies of one key
+(the same token at layer 0) get norms a rounding step apart once rotated, in a CPU-dependent order, so
+the first recording failed on other CPUs. Norms that close now tie (``KNorm.tie_rtol``) and the newer
+copy stays; every kept set that moved swapped one copy of a token for another copy of it (5 moves in
+the two runs; the tokens did not change).
 """
 
 from __future__ import annotations

@@ -130,3 +130,33 @@ def pool_slots(scores: Tensor, kernel: int, mode: str = "avg") -> Tensor:
     else:
         raise PolicyConfigError(f"pool mode={mode!r} is unknown; use avg or max.")
     return rearrange(y[..., :C], "(b kv) 1 c -> b kv c", b=scores.shape[0])
+
+
+def merge_near_ties(scores: Tensor, rtol: float) -> Tensor:
+    """Scores within rounding of each other made equal, so the keep rule's tie-break (the newer slot)
+    decides between them rather than the last bit of a rounding.
+
+    Two keys that are equal in exact arithmetic (the same token's pre-RoPE key at two positions) can get
+    scores one rounding step apart, in an order that depends on the CPU's kernels. Per ``(b, kv)``, the
+    scores are sorted; each one within ``rtol * max(|s|, 1)`` of the next higher one joins its group,
+    and every member of a group takes the group's highest score. A run of scores each within the
+    tolerance of the next is one group (the tolerance chains), which only matters for scores packed
+    tighter than the tolerance, where the order is rounding anyway. NaN and infinite scores stay alone.
+
+    Args:
+        scores: ``(b, kv_heads, C)`` higher = keep.
+        rtol: Relative tolerance (at least absolute for ``|s| < 1``); 0 returns ``scores`` unchanged.
+
+    Returns:
+        ``(b, kv_heads, C)`` float32.
+    """
+    if rtol == 0:
+        return scores.float()
+    s, order = scores.float().sort(dim=-1, descending=True)
+    gap = s[..., :-1] - s[..., 1:]
+    # a NaN or infinite gap (a NaN, an infinity) starts a group: NaN and infinities never absorb a number
+    joins = (gap <= rtol * s[..., :-1].abs().clamp(min=1.0)) & gap.isfinite()
+    starts = torch.cat([torch.ones_like(s[..., :1], dtype=torch.bool), ~joins], dim=-1)
+    index = torch.arange(s.shape[-1], device=s.device).expand_as(s)
+    first = torch.where(starts, index, 0).cummax(dim=-1).values  # each slot's group head, in sorted order
+    return torch.empty_like(s).scatter_(-1, order, s.gather(-1, first))

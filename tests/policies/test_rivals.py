@@ -67,6 +67,37 @@ def test_knorm_keeps_the_lowest_norm_keys():
         assert kept(layer, h) == sorted({0, 1, 16, 17, *lowest})
 
 
+@pytest.mark.parametrize("older_lower", [True, False])
+def test_knorm_copies_of_one_key_tie_on_the_newer_whatever_the_rounding(older_lower):
+    # prefix 2; at t=17 keep 12 of 2..15: the 11 lowest, then one of two copies of a key (3 and 11), whose
+    # norms differ by one float32 rounding step as RoPE'd copies do (which one is lower depends on the CPU)
+    g = torch.Generator().manual_seed(4)
+    directions = torch.nn.functional.normalize(torch.randn(18, 8, generator=g), dim=-1)
+    copy = directions[0] * 7.0
+    bigger = copy * (1 + 2.0 ** -23)  # one rounding step longer
+    assert float(bigger.norm()) != float(copy.norm())
+    low = iter(torch.linspace(1, 5, 11).tolist())
+    norms = {p: next(low) for p in range(2, 16) if p not in (3, 11, 14)} | {14: 9.0}
+
+    def keys_at(p, h):
+        if p in (3, 11):
+            return copy if (p == 3) == older_lower else bigger
+        return directions[p] * norms.get(p, 2.0)
+
+    want = [0, 1, *sorted(set(norms) - {14} | {11}), 16, 17]
+    assert kept(drive_hand(KNorm(16, n_recent=2), 2, keys_at, steps=16), 0) == want
+    # the exact float32 norms keep the lower copy: the older one when it is the lower
+    exact = kept(drive_hand(KNorm(16, n_recent=2, tie_rtol=0), 2, keys_at, steps=16), 0)
+    assert exact == (sorted(set(want) - {11} | {3}) if older_lower else want)
+
+
+def test_knorm_tie_rtol_must_be_in_zero_one():
+    with pytest.raises(PolicyConfigError, match="tie_rtol=1"):
+        KNorm(16, tie_rtol=1)
+    with pytest.raises(PolicyConfigError, match="tie_rtol=nan"):
+        KNorm(16, tie_rtol=math.nan)
+
+
 # ------------------------------------------------------------------- KeyDiff
 def keydiff_ref(layer, b, kv, t):
     """``-cos(k_j, mean of the unit filled keys)``, written out."""
