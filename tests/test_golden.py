@@ -12,8 +12,8 @@ default rule's difference.
 KNorm's entries were recorded again when its ranking learned the same lesson: two copies of one key
 (the same token at layer 0) get norms a rounding step apart once rotated, in a CPU-dependent order, so
 the first recording failed on other CPUs. Norms that close now tie (``KNorm.tie_rtol``) and the newer
-copy stays; every kept set that moved swapped one copy of a token for another copy of it (5 moves in
-the two runs; the tokens did not change).
+copy stays; the tokens did not change, and at layer 0 (stored in full) every kept set that moved
+swapped one copy of a token for another copy of it (4 moves in the two runs).
 """
 
 from __future__ import annotations
