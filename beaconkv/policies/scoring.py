@@ -157,6 +157,6 @@ def merge_near_ties(scores: Tensor, rtol: float) -> Tensor:
     # a NaN or infinite gap (a NaN, an infinity) starts a group: NaN and infinities never absorb a number
     joins = (gap <= rtol * s[..., :-1].abs().clamp(min=1.0)) & gap.isfinite()
     starts = torch.cat([torch.ones_like(s[..., :1], dtype=torch.bool), ~joins], dim=-1)
-    index = torch.arange(s.shape[-1], device=s.device).expand_as(s)
+    index = torch.arange(s.shape[-1], device=s.device)
     first = torch.where(starts, index, 0).cummax(dim=-1).values  # each slot's group head, in sorted order
     return torch.empty_like(s).scatter_(-1, order, s.gather(-1, first))
