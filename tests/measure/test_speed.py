@@ -307,6 +307,8 @@ def test_compile_shapes_include_layer_blocks():
     assert config.decode_shape(torch.device("cpu")) == "layers" and config.block_size(30) == 5
     assert config.block_size(36) == 4  # the largest divisor of the layer count up to 5: every block one graph
     assert shape_config("whole") == {"layerwise": False}
-    for bad in ("layerwise-0", "layerwise-x", "wholestep"):
+    assert shape_config("layerwise-1@wrapper") == {"layerwise": True, "layer_block": 1, "direct_calls": False}
+    assert CompileConfig(**shape_config("whole@wrapper")) == CompileConfig(layerwise=False, direct_calls=False)
+    for bad in ("layerwise-0", "layerwise-x", "wholestep", "whole@", "@wrapper"):
         with pytest.raises(ValueError, match=f"unknown shape '{bad}'.*layerwise-N"):
             shape_config(bad)

@@ -37,22 +37,29 @@ SHAPES = ("layerwise", "regions", "whole")
 """The named decode-step shapes; ``layerwise-N`` (N decoder layers per graph, :attr:`CompileConfig.layer_block`)
 is accepted too."""
 _SHAPE_CONFIG = {"layerwise": {"layerwise": True}, "regions": {"regions": True}, "whole": {"layerwise": False}}
+WRAPPER_SUFFIX = "@wrapper"
+"""A shape name's suffix for graph calls through ``torch.compile``'s wrapper (``direct_calls=False``)."""
 
 
 def shape_config(shape: str) -> dict[str, Any]:
     """The :class:`~beaconkv.execution.CompileConfig` fields of a shape name: one of :data:`SHAPES`, or
-    ``layerwise-N`` for a layerwise step of up to N decoder layers per graph.
+    ``layerwise-N`` for a layerwise step of up to N decoder layers per graph; with the suffix
+    ``@wrapper``, every graph call goes through the ``torch.compile`` wrapper
+    (:attr:`~beaconkv.execution.CompileConfig.direct_calls` off).
 
     Raises:
         ValueError: An unknown name, or N not a positive integer.
     """
-    if shape in _SHAPE_CONFIG:
-        return _SHAPE_CONFIG[shape]
-    block = shape.removeprefix("layerwise-")
-    if block != shape and block.isdigit() and int(block) >= 1:
-        return {"layerwise": True, "layer_block": int(block)}
+    base = shape.removesuffix(WRAPPER_SUFFIX)
+    fields = _SHAPE_CONFIG.get(base)
+    block = base.removeprefix("layerwise-")
+    if fields is None and block != base and block.isdigit() and int(block) >= 1:
+        fields = {"layerwise": True, "layer_block": int(block)}
+    if fields is not None:
+        return dict(fields) if base == shape else {**fields, "direct_calls": False}
     raise ValueError(f"--compile-shapes: unknown shape {shape!r}; choose from {', '.join(SHAPES)} or layerwise-N "
-                     f"(N decoder layers per graph, e.g. layerwise-5).")
+                     f"(N decoder layers per graph, e.g. layerwise-5), each optionally with {WRAPPER_SUFFIX} "
+                     "(graph calls through torch.compile's wrapper).")
 
 
 DECODE_FUNCTIONS = frozenset({"decode_and_sample", "decode_logits", "decode_inputs", "decode_layers", "sample_logits",
@@ -102,7 +109,8 @@ def add_compile_arguments(group: argparse._ArgumentGroup) -> None:
                        help="alternating speed runs of every shape (default 3)")
     group.add_argument("--compile-shapes", default="layerwise,regions,whole",
                        help="decode-step shapes to measure, of layerwise, regions, whole and layerwise-N (N decoder "
-                            "layers per graph; default layerwise,regions,whole)")
+                            "layers per graph), each optionally with @wrapper (graph calls through torch.compile's "
+                            "wrapper, not dispatched directly; default layerwise,regions,whole)")
 
 
 def _child(argv: list[str]) -> int:

@@ -1,0 +1,112 @@
+"""Calling the graphs ``torch.compile`` cached for a function without its per-call entry path.
+
+A ``torch.compile`` wrapper does more per call than the graph lookup: it installs dynamo's frame
+callback and its stance, backend and hook contexts, then dynamo intercepts the frame, checks each cached
+graph's guards and runs the transformed code. On a 2-core CPU that entry costs about 45 µs per call, of
+which the guard check is 7; a layer-by-layer decode step calls a graph 32 times per step (its inputs, 30
+layers, its logits), so the entry alone costs more than a millisecond per step.
+
+:class:`CachedGraphs` does what dynamo does on a cache hit and nothing else: it checks the guards of the
+graphs this wrapper compiled (dynamo's own guard managers, every guard kept) against the call's
+arguments and runs the transformed code of the first that holds, the code dynamo would have run. A call
+that no cached graph serves — the first, a new shape, a changed setting, a dynamo stance other than the
+default — returns a miss and goes through the wrapper, which compiles as usual; its new graph serves the
+next calls. This is the dispatch vLLM runs its compiled models through, with the guards still checked.
+
+It relies on dynamo internals (``_debug_get_cache_entry_list``, a cache entry's ``code``,
+``guard_manager`` and ``backend``); where this torch lacks any of them, or a function takes ``*args``,
+``**kwargs``, keyword-only arguments or a closure, every call goes through the wrapper.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._dynamo import eval_frame
+
+MISS = object()
+"""What :meth:`CachedGraphs.call` returns when no cached graph serves the call."""
+
+
+def _cache_entries() -> Callable[[types.CodeType], list[Any]] | None:
+    """Dynamo's reader of the graphs cached on a code object, or None where this torch has none."""
+    try:
+        from torch._C._dynamo.eval_frame import _CacheEntry
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+    except ImportError:
+        return None
+    if not all(hasattr(_CacheEntry, name) for name in ("code", "guard_manager", "backend")):
+        return None
+    return entries
+
+
+_ENTRIES = _cache_entries()
+
+
+def _default_stance() -> bool:
+    """Whether dynamo runs with its default stance (no ``force_eager``, no skipped guards, no other backend)
+    and is not tracing (a call inside another compiled function is dynamo's to inline)."""
+    stance = getattr(eval_frame, "_stance", None)
+    return (stance is not None and stance.stance == "default" and not stance.skip_guard_eval_unsafe
+            and stance.backend is None and not torch.compiler.is_compiling())
+
+
+class CachedGraphs:
+    """The graphs one ``torch.compile`` wrapper of ``fn`` compiled, called without the wrapper's entry path.
+
+    Args:
+        fn: The plain function the wrapper compiles.
+
+    Attributes:
+        hits: Calls served from a cached graph (the rest went through the wrapper).
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        code = getattr(fn, "__code__", None)
+        plain = (code is not None and not code.co_freevars and not code.co_kwonlyargcount
+                 and not code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS))
+        self.enabled = _ENTRIES is not None and plain
+        self.fn, self.hits = fn, 0
+        self._code = code
+        self._names = code.co_varnames[:code.co_argcount] if plain else ()
+        self._defaults = tuple(fn.__defaults__ or ()) if plain else ()
+        self._backend: Any = None  # the wrapper's backend object, learnt from the first graph it compiled
+        self._functions: dict[types.CodeType, Callable[..., Any]] = {}
+
+    def learn(self) -> None:
+        """Takes the wrapper's backend from the graph a call through the wrapper just ran or compiled: dynamo
+        keeps a function's graphs most recently used first."""
+        if self.enabled and self._backend is None:
+            entries = _ENTRIES(self._code)
+            if entries:
+                self._backend = entries[0].backend
+
+    def call(self, args: tuple[Any, ...]) -> Any:
+        """Runs ``fn(*args)`` through the first cached graph of this wrapper whose guards hold, or returns
+        :data:`MISS` (nothing ran) when none does."""
+        backend = self._backend
+        if backend is None or not _default_stance():
+            return MISS
+        n = len(args)
+        if n < len(self._names) - len(self._defaults) or n > len(self._names):
+            return MISS
+        if n < len(self._names):
+            args = args + self._defaults[len(self._defaults) - (len(self._names) - n):]
+        frame_locals = dict(zip(self._names, args))
+        for entry in _ENTRIES(self._code):
+            # dynamo serves a wrapper from the graphs of any wrapper with equal settings (backend ==)
+            if (entry.backend is backend or entry.backend == backend) and entry.guard_manager.check(frame_locals):
+                self.hits += 1
+                return self._function(entry.code)(*args)
+        return MISS
+
+    def _function(self, code: types.CodeType) -> Callable[..., Any]:
+        """``fn`` with dynamo's transformed ``code`` (same globals, as dynamo runs it in ``fn``'s frame)."""
+        function = self._functions.get(code)
+        if function is None:
+            function = self._functions[code] = types.FunctionType(code, self.fn.__globals__, self.fn.__name__)
+        return function
