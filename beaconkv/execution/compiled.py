@@ -311,13 +311,18 @@ def compile_guard(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> Iterato
 _COMPILES = [0]  # compiles dynamo started in this process, counted by the callback below
 
 
+def _count_compile(*_: Any) -> None:
+    _COMPILES[0] += 1
+
+
 def _frames_compiled() -> int:
     """Compiles dynamo has started in this process so far (every graph, recompiles included)."""
-    if not _COMPILES[1:]:  # once: dynamo calls this at the start of every compile, fullgraph ones too
-        from torch._dynamo.callback import callback_handler
+    from torch._dynamo.callback import callback_handler
 
-        callback_handler.register_start_callback(lambda *_: _COMPILES.__setitem__(0, _COMPILES[0] + 1))
-        _COMPILES.append(True)
+    # dynamo calls it at the start of every compile, fullgraph ones too; torch._dynamo.reset() drops every
+    # callback, so it is registered again whenever it is missing
+    if _count_compile not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_count_compile)
     return _COMPILES[0]
 
 

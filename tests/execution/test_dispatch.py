@@ -75,6 +75,18 @@ def test_dynamo_stances_other_settings_and_a_reset_all_go_through_the_wrapper():
     assert cached.call((torch.ones(2),)) is not MISS
 
 
+def test_compiles_are_still_counted_after_dynamo_is_reset():
+    """``torch._dynamo.reset()`` drops dynamo's compile callbacks: the executor's count registers again."""
+    def halved(x):
+        return x / 2
+
+    executor = CompiledExecutor(CompileConfig(backend="eager", dynamic=False), "cpu")
+    executor.run(halved, torch.ones(2))
+    torch._dynamo.reset()
+    executor.run(halved, torch.ones(2))  # compiled again: reset forgot the graph
+    assert executor.compiles == 2 and executor.compile_s > 0
+
+
 def test_graphs_of_a_wrapper_with_other_settings_are_not_served():
     def scaled(x):
         return x * SCALE
