@@ -54,8 +54,8 @@ def _default_stance() -> bool:
     """Whether dynamo runs with its default stance (no ``force_eager``, no skipped guards, no other backend)
     and is not tracing (a call inside another compiled function is dynamo's to inline)."""
     stance = getattr(eval_frame, "_stance", None)
-    return (stance is not None and stance.stance == "default" and not stance.skip_guard_eval_unsafe
-            and stance.backend is None and not torch.compiler.is_compiling())
+    return (getattr(stance, "stance", None) == "default" and not getattr(stance, "skip_guard_eval_unsafe", False)
+            and getattr(stance, "backend", None) is None and not torch.compiler.is_compiling())
 
 
 class CachedGraphs:
