@@ -59,7 +59,8 @@ def _default_stance() -> bool:
 
 
 class CachedGraphs:
-    """The graphs one ``torch.compile`` wrapper of ``fn`` compiled, called without the wrapper's entry path.
+    """The graphs one ``torch.compile`` wrapper of ``fn`` compiled (or a wrapper with equal settings, which dynamo
+    lets it use too), called without the wrapper's entry path.
 
     Args:
         fn: The plain function the wrapper compiles.
