@@ -386,28 +386,6 @@ def test_a_recompile_is_announced_with_its_reason_and_counted():
     assert executor.compiles == 2
 
 
-def test_only_functions_marked_never_aliasing_drop_the_aliasing_guard_and_only_that_guard():
-    from types import SimpleNamespace
-
-    from beaconkv.execution.compiled import _without_aliasing_guards, inputs_never_alias
-    from beaconkv.models.decoder import decode_layers
-
-    cpu = torch.device("cpu")
-    marked = CompileConfig(backend="aot_eager").options(cpu, decode_layers)
-    assert marked["options"]["guard_filter_fn"] is _without_aliasing_guards
-
-    def plain(x):
-        return x
-
-    assert "guard_filter_fn" not in CompileConfig().options(cpu, plain).get("options", {})
-    assert "guard_filter_fn" not in CompileConfig().options(cpu).get("options", {})
-    assert CompileConfig().options(cpu, decode_layers)["options"]["guard_filter_fn"] is _without_aliasing_guards
-    kinds = ["TENSOR_MATCH", "NO_TENSOR_ALIASING", "TYPE_MATCH", "ID_MATCH"]
-    assert _without_aliasing_guards([SimpleNamespace(guard_type=k) for k in kinds]) == [True, False, True, True]
-
-    assert inputs_never_alias(plain) is plain and CompileConfig(backend="eager").options(cpu, plain)["options"]
-
-
 @pytest.mark.parametrize("per_function", [True, False], ids=["torch.compile-argument", "dynamo-config"])
 def test_a_function_past_the_recompile_limit_raises_instead_of_running_eagerly(monkeypatch, per_function):
     """Both ways the limit is set: ``torch.compile(recompile_limit=)`` (torch 2.12+) and, for older torch

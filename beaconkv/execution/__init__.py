@@ -15,7 +15,6 @@ from .compiled import (
     CompiledExecutor,
     CompileError,
     RecompileWarning,
-    inputs_never_alias,
     lift_cpu_gemv_limit,
     make_executor,
     resolve_compile_config,
@@ -24,5 +23,5 @@ from .sync import HostSyncError, no_host_sync
 
 __all__ = [
     "CPU_GEMV_LIMITS", "CompileConfig", "CompileError", "CompiledExecutor", "EagerExecutor", "Executor",
-    "HostSyncError", "RecompileWarning", "inputs_never_alias", "lift_cpu_gemv_limit", "make_executor", "no_host_sync", "resolve_compile_config",
+    "HostSyncError", "RecompileWarning", "lift_cpu_gemv_limit", "make_executor", "no_host_sync", "resolve_compile_config",
 ]

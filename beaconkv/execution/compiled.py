@@ -140,20 +140,15 @@ class CompileConfig:
         divisor of ``n_layers`` up to :attr:`layer_block` (every block the same: one graph)."""
         return max(k for k in range(1, min(self.layer_block, n_layers) + 1) if n_layers % k == 0)
 
-    def options(self, device: torch.device, fn: Callable[..., Any] | None = None) -> dict[str, Any]:
-        """Keyword arguments of ``torch.compile`` for a device (``fullgraph=True`` always), and for ``fn``
-        when it is marked :func:`inputs_never_alias`."""
+    def options(self, device: torch.device) -> dict[str, Any]:
+        """Keyword arguments of ``torch.compile`` for a device (``fullgraph=True`` always)."""
         dynamic = False if self.decode_shape(device) == "regions" else self.dynamic  # see `regions`
         kwargs: dict[str, Any] = {"fullgraph": True, "backend": self.backend, "dynamic": dynamic}
         if COMPILE_TAKES_RECOMPILE_LIMIT:
             kwargs["recompile_limit"] = RECOMPILE_LIMIT
-        options: dict[str, Any] = {}
-        if getattr(fn, _NO_ALIAS_MARK, False):
-            options["guard_filter_fn"] = _without_aliasing_guards
         if self.backend != "inductor":
-            if options:
-                kwargs["options"] = options
             return kwargs
+        options: dict[str, Any] = {}
         mode = self.mode if self.mode is not None else ("reduce-overhead" if device.type == "cuda" else None)
         if self.freezing:
             options["freezing"] = True
@@ -256,31 +251,8 @@ def compiled(fn: Callable[..., Any], config: CompileConfig,
     if key not in _COMPILED:
         if not COMPILE_TAKES_RECOMPILE_LIMIT:
             raise_global_recompile_limit()
-        _COMPILED[key] = torch.compile(fn, **config.options(device, fn)), CachedGraphs(fn)
+        _COMPILED[key] = torch.compile(fn, **config.options(device)), CachedGraphs(fn)
     return _COMPILED[key]
-
-
-_NO_ALIAS_MARK = "__beaconkv_inputs_never_alias__"
-
-
-def inputs_never_alias(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Marks a device function whose tensor arguments never alias one another (each a separate allocation).
-
-    Compiled, such a function runs without dynamo's input-aliasing guard, which compares every pair of its
-    tensor inputs at every call: for a graph that takes one decoder layer's weights and cache (two dozen
-    tensors) and runs 30 times per step, that guard costs more than the layer's own kernels at batch 1 on a
-    CPU. Every other guard (shapes, dtypes, settings, the identity of hooks) still holds.
-
-    Returns:
-        ``fn`` itself.
-    """
-    setattr(fn, _NO_ALIAS_MARK, True)
-    return fn
-
-
-def _without_aliasing_guards(entries: list[Any]) -> list[bool]:
-    """A ``guard_filter_fn`` keeping every guard but the input-aliasing one."""
-    return [entry.guard_type != "NO_TENSOR_ALIASING" for entry in entries]
 
 
 def _describe(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:

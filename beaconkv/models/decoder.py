@@ -19,7 +19,6 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import LayerCache, ModelCache
-from ..execution.compiled import inputs_never_alias
 from ..observation import LayerObserver, ModelObserver
 from .attention import Attention, Rotary
 from .config import ModelConfig
@@ -216,7 +215,6 @@ shapes, the layer's weights and cache as its inputs), so a whole-step graph comp
 layer (:attr:`~beaconkv.execution.CompileConfig.regions`)."""
 
 
-@inputs_never_alias
 def decode_layers(layers: tuple[nn.Module, ...], x: Tensor, positions: Tensor, rotary: Rotary,
                   caches: tuple[LayerCache, ...], observers: tuple[LayerObserver | None, ...] | None = None,
                   regions: bool = False) -> Tensor:
@@ -225,8 +223,7 @@ def decode_layers(layers: tuple[nn.Module, ...], x: Tensor, positions: Tensor, r
     (``regions``: each through :data:`decode_layer_region`).
 
     Every layer runs the same code with the same shapes, so a compiled step compiles this once for a
-    block of layers and calls it for every block. Its tensors (the layers' weights, their cache buffers,
-    the step's activations) are separate allocations: they never alias."""
+    block of layers and calls it for every block."""
     for layer, cache, observer in zip(layers, caches, observers or (None,) * len(layers)):
         if regions:
             x = decode_layer_region(layer, x, positions, rotary[0], rotary[1], cache, observer)
