@@ -351,6 +351,9 @@ class CompiledExecutor(Executor):
         # a layer region is an input of the step's graph, its module floats (attention's scale) with it: dynamo
         # would lift them as unbacked symbolic floats, which a kernel's float argument cannot take
         self._specialize_floats = self.decode_shape == "regions"
+        # each function's wrapper and cached graphs, looked up by the function alone on the hot path (the shared
+        # table's key hashes the whole config at every call)
+        self._graphs: dict[Callable[..., Any], tuple[Callable[..., Any], CachedGraphs]] = {}
 
     def prepare(self, *objects: Any) -> None:
         """Marks the tensors of ``objects`` (caches, policy states) as static addresses under CUDA graphs.
@@ -366,7 +369,10 @@ class CompiledExecutor(Executor):
         self.calls[fn.__qualname__] += 1
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        call, cached = compiled(fn, self.config, self.device)
+        graphs = self._graphs.get(fn)
+        if graphs is None:
+            graphs = self._graphs[fn] = compiled(fn, self.config, self.device)
+        call, cached = graphs
         if self.direct_calls:
             out = cached.call(args)
             if out is not MISS:

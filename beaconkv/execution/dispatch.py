@@ -78,6 +78,7 @@ class CachedGraphs:
         self._code = code
         self._names = code.co_varnames[:code.co_argcount] if plain else ()
         self._defaults = tuple(fn.__defaults__ or ()) if plain else ()
+        self._required = len(self._names) - len(self._defaults)  # arguments without a default
         self._backend: Any = None  # the wrapper's backend object, learnt from the first graph it compiled
         self._functions: dict[types.CodeType, Callable[..., Any]] = {}
 
@@ -96,10 +97,10 @@ class CachedGraphs:
         if backend is None or not _default_stance():
             return MISS
         n = len(args)
-        if n < len(self._names) - len(self._defaults) or n > len(self._names):
-            return MISS
-        if n < len(self._names):
-            args = args + self._defaults[len(self._defaults) - (len(self._names) - n):]
+        if n != len(self._names):
+            if n < self._required or n > len(self._names):
+                return MISS
+            args = args + self._defaults[n - self._required:]  # the omitted trailing arguments' defaults
         frame_locals = dict(zip(self._names, args))
         for entry in _ENTRIES(self._code):
             # dynamo serves a wrapper from the graphs of any wrapper with equal settings (backend ==)

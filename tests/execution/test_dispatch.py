@@ -41,6 +41,20 @@ def test_a_call_is_served_only_after_the_wrapper_compiled_and_only_while_the_gua
     assert cached.call(()) is MISS and cached.call((x, 1.0, 2)) is MISS  # arguments the function cannot take
 
 
+def test_omitted_trailing_arguments_take_their_defaults():
+    def affine(x: torch.Tensor, scale: float = 2.0, shift: float = 1.0) -> torch.Tensor:
+        return x * scale + shift
+
+    wrapper, cached = _wrapped(affine)
+    x = torch.arange(3.0)
+    for args in [(x,), (x, 2.0), (x, 2.0, 1.0)]:  # one graph (the same constants) serves all three spellings
+        wrapper(*args)
+        cached.learn()
+        assert torch.equal(cached.call(args), x * 2 + 1)
+    assert cached.hits == 3
+    assert cached.call((x, 3.0)) is MISS  # the second argument, not the third, took the explicit value
+
+
 def test_a_miss_runs_nothing_and_the_served_call_mutates_like_the_wrapper():
     def add_into(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         out.add_(x)
