@@ -86,10 +86,12 @@ class CompileConfig:
             step's graph calls it for every layer, so it compiles almost as fast as a layerwise step and runs
             as one graph, without a graph call per layer (measured on the embedded model, 1 thread, bf16:
             ``beaconkv bench --sections compile``). Evictions stay as :attr:`layerwise` says. Off by default:
-            this torch fails inside dynamo (``KeyError`` in ``invoke_subgraph``'s ``stamp_out_subgraph``) when
-            such a step recompiles with symbolic shapes, so a regional step compiles with static shapes — each
-            new cache size or batch is a full recompile. It suits a pool of one size (``beaconkv serve``, the
-            engine); not checked on a GPU.
+            a regional step compiles with static shapes, so each new cache size or batch is a full recompile
+            (symbolic shapes failed inside dynamo on an earlier torch, ``KeyError`` in ``invoke_subgraph``'s
+            ``stamp_out_subgraph``; on torch 2.13 they compile but bring no reuse: the embedded model at batch
+            2, then 3, compiled for 42 and 41 s), and on the 2-core AMD EPYC it measured no faster than
+            layerwise (27.4 ms/step against 27.8, whole 26.0; first compile 31 s). It suits a pool of one size
+            (``beaconkv serve``, the engine); not checked on a GPU.
         layer_block: Most decoder layers per graph of a layerwise decode step: the blocks are the largest
             divisor of the layer count up to this, so that one graph serves every block. Each graph call
             costs its guards and wrappers, each layer in a block adds to the compile. Measured on the
