@@ -3,10 +3,14 @@
 The second stage of ``scripts/gpu_check.sh``: on a GPU the compiled step replays as CUDA graphs, so
 this is where their speed-up and their agreement with eager decoding are read; on a CPU (``--smoke``)
 the same code runs with a tiny model to prove that the stage works. For each policy (FullKV and
-BeaconKV) the batch is decoded eagerly, then compiled twice (the second compiled run is warm: no
-compile time in its figure), and one line is printed::
+BeaconKV) the batch is decoded eagerly once, then, for each decode-step shape of ``--compile-shapes``
+in turn (``regions``: one graph whose layers are one nested compile region, compiled from one layer;
+``whole``: one graph with every layer traced; see :class:`~beaconkv.execution.CompileConfig`), compiled
+twice (the second compiled run is warm: no compile time in its figure), and one line is printed as
+soon as it is measured, so a shape whose compile outlasts the stage's time limit still leaves the
+lines of the shapes before it::
 
-    BeaconKV(128): eager 21.40 ms/step, compiled 6.10 ms/step (3.5x), 8/8 sequences identical to eager, 16 compiled evictions
+    BeaconKV(128) [regions]: eager 21.40 ms/step, compiled 6.10 ms/step (3.5x), first compile 41.2 s, 8/8 sequences identical to eager, 16 compiled evictions
 
 Run ``python -m beaconkv.measure.speed.graph_decode --help`` for the options.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +31,10 @@ from ...models.decoder import CausalLM
 from ...models.loading import load_model
 from ...models.random_weights import RANDOM_SHAPES, random_model
 from ...policies.beacon import BeaconKV
+from .compile_time import shape_config
 from .machine import DTYPES, random_prompts
 
-__all__ = ["GraphDecodeRow", "main", "measure_graph_decode"]
+__all__ = ["GraphDecodeRow", "compile_configs", "main", "measure_graph_decode"]
 
 
 @dataclass(frozen=True)
@@ -37,25 +43,31 @@ class GraphDecodeRow:
 
     Attributes:
         policy: ``"FullKV"`` or ``"BeaconKV(<budget>)"``.
+        shape: The compiled decode step's shape (``"regions"``, ``"whole"``; a name of ``--compile-shapes``).
         eager_ms: Eager decode, ms per step (prefill excluded).
         compiled_ms: Warm compiled decode, ms per step.
         identical: Sequences whose tokens equal the eager run's.
         batch: Sequences decoded.
         compiled_evictions: Evictions that ran as compiled graphs in the warm run.
+        compile_s: Seconds the first compiled run spent compiling (this policy's graphs in this shape; the
+            decode step's graphs are shared with the policy measured before it).
     """
 
     policy: str
+    shape: str
     eager_ms: float
     compiled_ms: float
     identical: int
     batch: int
     compiled_evictions: int
+    compile_s: float
 
     def line(self) -> str:
         """The summary line (see the module docstring)."""
-        return (f"{self.policy}: eager {self.eager_ms:.2f} ms/step, compiled {self.compiled_ms:.2f} ms/step "
-                f"({self.eager_ms / self.compiled_ms:.1f}x), {self.identical}/{self.batch} sequences identical to "
-                f"eager, {self.compiled_evictions} compiled evictions")
+        return (f"{self.policy} [{self.shape}]: eager {self.eager_ms:.2f} ms/step, compiled {self.compiled_ms:.2f} "
+                f"ms/step ({self.eager_ms / self.compiled_ms:.1f}x), first compile {self.compile_s:.1f} s, "
+                f"{self.identical}/{self.batch} sequences identical to eager, {self.compiled_evictions} compiled "
+                "evictions")
 
 
 def _ms_per_step(out: GenerationOutput) -> float:
@@ -64,8 +76,9 @@ def _ms_per_step(out: GenerationOutput) -> float:
 
 
 def measure_graph_decode(model: CausalLM, batch: int, prompt_tokens: int, new_tokens: int, budget: int,
-                         compile_config: CompileConfig, n_recent: int = 16) -> list[GraphDecodeRow]:
-    """Eager, then compiled twice, for FullKV and ``BeaconKV(budget)``: one row each.
+                         compile_configs: dict[str, CompileConfig], n_recent: int = 16) -> Iterator[GraphDecodeRow]:
+    """Eager once, then compiled twice per shape, for FullKV and ``BeaconKV(budget)``: one row per shape and policy,
+    yielded as soon as it is measured (shapes in the order given, FullKV first in each).
 
     Args:
         model: The model.
@@ -73,21 +86,34 @@ def measure_graph_decode(model: CausalLM, batch: int, prompt_tokens: int, new_to
         prompt_tokens: Length of each random prompt.
         new_tokens: Tokens each sequence generates (no stop token).
         budget: BeaconKV's budget.
-        compile_config: How to compile (the default: CUDA graphs on a GPU).
+        compile_configs: The compile settings of each shape, by its name (on a GPU each replays as CUDA graphs).
         n_recent: BeaconKV's ``n_recent`` (and ``n_beacon``).
     """
     prompts = random_prompts(batch, prompt_tokens, model.config.vocab_size)
-    rows = []
-    for label, make in (("FullKV", lambda: None),
-                        (f"BeaconKV({budget})", lambda: BeaconKV(budget, n_recent=n_recent, n_beacon=n_recent))):
-        runs = [generate(model, None, prompts, max_new_tokens=new_tokens, eos_token_ids=[], policy=make(),
-                         compile=config, kernels="model")
-                for config in (False, compile_config, compile_config)]  # the second compiled run is warm
-        eager, warm = runs[0], runs[2]
-        same = sum(a == b for a, b in zip(eager.token_ids, warm.token_ids))
-        rows.append(GraphDecodeRow(label, _ms_per_step(eager), _ms_per_step(warm), same, batch,
-                                   warm.stats.compiled_evictions))
-    return rows
+    policies = {"FullKV": lambda: None,
+                f"BeaconKV({budget})": lambda: BeaconKV(budget, n_recent=n_recent, n_beacon=n_recent)}
+
+    def run(make: Callable[[], BeaconKV | None], config: CompileConfig | bool) -> GenerationOutput:
+        return generate(model, None, prompts, max_new_tokens=new_tokens, eos_token_ids=[], policy=make(),
+                        compile=config, kernels="model")
+
+    eager = {label: run(make, False) for label, make in policies.items()}
+    for shape, config in compile_configs.items():
+        for label, make in policies.items():
+            first, warm = run(make, config), run(make, config)  # the second compiled run is warm
+            same = sum(a == b for a, b in zip(eager[label].token_ids, warm.token_ids))
+            yield GraphDecodeRow(label, shape, _ms_per_step(eager[label]), _ms_per_step(warm), same, batch,
+                                 warm.stats.compiled_evictions, first.stats.compile_s)
+
+
+def compile_configs(shapes: Sequence[str], backend: str) -> dict[str, CompileConfig]:
+    """The :class:`CompileConfig` of each named decode-step shape (``regions``, ``whole``, ``layerwise`` ...;
+    see :func:`~beaconkv.measure.speed.compile_time.shape_config`).
+
+    Raises:
+        ValueError: An unknown shape name.
+    """
+    return {shape: CompileConfig(backend=backend, **shape_config(shape)) for shape in shapes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,16 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend (default inductor: CUDA graphs on a GPU; aot_eager checks the "
                              "graphs quickly)")
+    parser.add_argument("--compile-shapes", default="regions,whole",
+                        help="decode-step shapes to compile, in this order: regions (one graph, its layers one "
+                             "nested compile region: compiles from one layer), whole (every layer traced), "
+                             "layerwise (a graph per layer, no CUDA graphs) (default regions,whole)")
     args = parser.parse_args(argv)
+    try:
+        configs = compile_configs([s.strip() for s in args.compile_shapes.split(",") if s.strip()],
+                                  args.compile_backend)
+    except ValueError as err:
+        parser.error(str(err))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
     if args.model in RANDOM_SHAPES:
         model = random_model(RANDOM_SHAPES[args.model](), dtype, device)
     else:
         model = load_model(model_path(args.model), dtype=dtype, device=device)
-    rows = measure_graph_decode(model, args.batch, args.prompt_tokens, args.new_tokens, args.budget,
-                                CompileConfig(backend=args.compile_backend), n_recent=args.n_recent)
-    for row in rows:
+    for row in measure_graph_decode(model, args.batch, args.prompt_tokens, args.new_tokens, args.budget, configs,
+                                    n_recent=args.n_recent):
         print(row.line(), flush=True)
     return 0
 
