@@ -312,3 +312,18 @@ def test_compile_shapes_include_layer_blocks():
     for bad in ("layerwise-0", "layerwise-x", "wholestep", "whole@", "@wrapper"):
         with pytest.raises(ValueError, match=f"unknown shape '{bad}'.*layerwise-N"):
             shape_config(bad)
+
+
+def test_graph_decode_compiles_each_named_shape_and_refuses_an_unknown_one(capsys):
+    from beaconkv.execution import CompileConfig
+    from beaconkv.measure.speed import graph_decode
+
+    configs = graph_decode.compile_configs(["regions", "whole"], "aot_eager")
+    assert list(configs) == ["regions", "whole"]  # measured in this order: the fast compile's lines come first
+    cuda = torch.device("cuda")  # the shape a GPU would run: no CUDA device needed to ask
+    assert configs["regions"].decode_shape(cuda) == "regions" and configs["regions"].cuda_graphs(cuda) is False
+    assert CompileConfig(regions=True).decode_shape(cuda) == "regions" and CompileConfig(regions=True).cuda_graphs(cuda)
+    assert configs["whole"].decode_shape(cuda) == "whole"
+    with pytest.raises(SystemExit):
+        graph_decode.main(["--compile-shapes", "regions,wholestep"])
+    assert "unknown shape 'wholestep'" in capsys.readouterr().err
