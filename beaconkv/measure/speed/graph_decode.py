@@ -49,8 +49,8 @@ class GraphDecodeRow:
         identical: Sequences whose tokens equal the eager run's.
         batch: Sequences decoded.
         compiled_evictions: Evictions that ran as compiled graphs in the warm run.
-        compile_s: Seconds the first compiled run spent compiling (this policy's graphs in this shape; the
-            decode step's graphs are shared with the policy measured before it).
+        compile_s: Seconds the first compiled run in this shape spent compiling (graphs that an earlier run in
+            the process compiled with the same settings are reused, not counted).
     """
 
     policy: str
