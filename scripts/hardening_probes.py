@@ -136,8 +136,8 @@ def probe_server() -> None:
 
         size = 50_000_000  # the body is announced, not sent: the server must answer from the header alone
         before = server.rss_gib()
-        (status, body, seconds), polls = while_polling(server, lambda: server.request(
-            "POST", "/v1/chat/completions", body=b"", headers={"Content-Length": str(size)}))
+        status, body, seconds = server.request("POST", "/v1/chat/completions", body=b"",
+                                               headers={"Content-Length": str(size)})
         print(f"a {size / 1e6:.0f} MB body: HTTP {status} in {seconds:.2f} s "
               f"{body.get('error', {}).get('message', '')[:100]!r}; RSS {before:.2f} -> {server.rss_gib():.2f} GiB")
         text = "a " * 1_900_000  # under the body limit, far over the prompt capacity

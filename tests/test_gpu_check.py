@@ -33,7 +33,7 @@ def test_every_stage_of_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
     # FullKV and BeaconKV for each decode-step shape, regions first (its lines come before whole's slower compile)
     assert [line.split(":")[1].split(" [")[1] for line in decode] == ["regions]", "regions]", "whole]", "whole]"], decode
     assert all("2/2 sequences identical to eager" in line for line in decode), decode
-    assert all(" 0 compiled evictions" not in line for line in decode[1::2]), decode  # BeaconKV's evictions compiled
+    assert all("compiled evictions" in line and " 0 compiled evictions" not in line for line in decode[1::2]), decode
     assert (tmp_path / "table4" / "table4.json").exists() and (tmp_path / "engine" / "bench.json").exists()
 
 

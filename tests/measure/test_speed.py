@@ -317,9 +317,10 @@ def test_compile_shapes_include_layer_blocks():
 def test_graph_decode_compiles_each_named_shape_and_refuses_an_unknown_one(capsys):
     from beaconkv.execution import CompileConfig
     from beaconkv.measure.speed import graph_decode
+    from beaconkv.measure.speed.compile_time import shape_compile_config
 
-    configs = graph_decode.compile_configs(["regions", "whole"], "aot_eager")
-    assert list(configs) == ["regions", "whole"]  # measured in this order: the fast compile's lines come first
+    configs = {shape: shape_compile_config(shape, "aot_eager") for shape in ("regions", "whole")}
+    assert configs["whole"] == CompileConfig(backend="aot_eager", layerwise=False)
     cuda = torch.device("cuda")  # the shape a GPU would run: no CUDA device needed to ask
     assert configs["regions"].decode_shape(cuda) == "regions" and configs["regions"].cuda_graphs(cuda) is False
     assert CompileConfig(regions=True).decode_shape(cuda) == "regions" and CompileConfig(regions=True).cuda_graphs(cuda)

@@ -29,9 +29,13 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["COMPILE_PROMPT", "CompileRow", "add_compile_arguments", "markdown_compile", "run_compile_section"]
+if TYPE_CHECKING:
+    from ...execution import CompileConfig
+
+__all__ = ["COMPILE_PROMPT", "CompileRow", "add_compile_arguments", "markdown_compile", "run_compile_section",
+           "shape_compile_config"]
 
 SHAPES = ("layerwise", "regions", "whole")
 """The named decode-step shapes; ``layerwise-N`` (N decoder layers per graph, :attr:`CompileConfig.layer_block`)
@@ -60,6 +64,18 @@ def shape_config(shape: str) -> dict[str, Any]:
     raise ValueError(f"--compile-shapes: unknown shape {shape!r}; choose from {', '.join(SHAPES)} or layerwise-N "
                      f"(N decoder layers per graph, e.g. layerwise-5), each optionally with {WRAPPER_SUFFIX} "
                      "(graph calls through torch.compile's wrapper).")
+
+
+def shape_compile_config(shape: str, backend: str = "inductor") -> CompileConfig:
+    """The :class:`~beaconkv.execution.CompileConfig` that compiles the decode step in the named shape (see
+    :func:`shape_config`) with ``backend``.
+
+    Raises:
+        ValueError: An unknown shape name.
+    """
+    from ...execution import CompileConfig
+
+    return CompileConfig(backend=backend, **shape_config(shape))
 
 
 DECODE_FUNCTIONS = frozenset({"decode_and_sample", "decode_logits", "decode_inputs", "decode_layers", "sample_logits",
@@ -121,7 +137,6 @@ def _child(argv: list[str]) -> int:
     import torch
 
     import beaconkv
-    from beaconkv.execution import CompileConfig
     from beaconkv.policies import make_policy
 
     from ..fidelity.study import auto_n_recent
@@ -132,7 +147,7 @@ def _child(argv: list[str]) -> int:
     model = beaconkv.load_model(path, dtype=spec["dtype"], device=spec["device"])
     ids = isinstance(spec["prompt"], list)  # token ids (a model without a tokenizer), else a chat message
     tok = None if ids else beaconkv.load_tokenizer(path)
-    config = CompileConfig(backend=spec["backend"], **shape_config(spec["shape"]))
+    config = shape_compile_config(spec["shape"], spec["backend"])
     n = auto_n_recent(spec["budget"])
 
     def run(name: str) -> Any:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +31,10 @@ from ...models.decoder import CausalLM
 from ...models.loading import load_model
 from ...models.random_weights import RANDOM_SHAPES, random_model
 from ...policies.beacon import BeaconKV
-from .compile_time import shape_config
+from .compile_time import shape_compile_config
 from .machine import DTYPES, random_prompts
 
-__all__ = ["GraphDecodeRow", "compile_configs", "main", "measure_graph_decode"]
+__all__ = ["GraphDecodeRow", "main", "measure_graph_decode"]
 
 
 @dataclass(frozen=True)
@@ -106,16 +106,6 @@ def measure_graph_decode(model: CausalLM, batch: int, prompt_tokens: int, new_to
                                  warm.stats.compiled_evictions, first.stats.compile_s)
 
 
-def compile_configs(shapes: Sequence[str], backend: str) -> dict[str, CompileConfig]:
-    """The :class:`CompileConfig` of each named decode-step shape (``regions``, ``whole``, ``layerwise`` ...;
-    see :func:`~beaconkv.measure.speed.compile_time.shape_config`).
-
-    Raises:
-        ValueError: An unknown shape name.
-    """
-    return {shape: CompileConfig(backend=backend, **shape_config(shape)) for shape in shapes}
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m beaconkv.measure.speed.graph_decode``: prints one line per policy."""
     parser = argparse.ArgumentParser(prog="python -m beaconkv.measure.speed.graph_decode",
@@ -138,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                              "layerwise (a graph per layer, no CUDA graphs) (default regions,whole)")
     args = parser.parse_args(argv)
     try:
-        configs = compile_configs([s.strip() for s in args.compile_shapes.split(",") if s.strip()],
-                                  args.compile_backend)
+        configs = {shape: shape_compile_config(shape, args.compile_backend)
+                   for shape in (s.strip() for s in args.compile_shapes.split(",")) if shape}
     except ValueError as err:
         parser.error(str(err))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
