@@ -113,6 +113,11 @@ def load_hf_backend(model: str, *, device: str = "auto", dtype: torch.dtype | st
 
     Returns:
         The backend (pass it to :func:`beaconkv.eval.run` as ``backend=``).
+
+    Raises:
+        UnsupportedArchitectureError: An architecture a :class:`~beaconkv.hf.PolicyCache` does not serve
+            (multi-head latent attention, a linear-attention hybrid, ...), refused from its config before the
+            weights load (see :mod:`beaconkv.hf.support`).
     """
     path = model_path(model)
     loaded, tokenizer = load_hf_model(path, dtype=dtype, device=device), load_tokenizer(path)

@@ -8,13 +8,16 @@ Needs the optional dependency ``transformers`` (``pip install beaconkv[hf]``).
 Modules: :mod:`~beaconkv.hf.cache` (the cache), :mod:`~beaconkv.hf.layer` (its layers),
 :mod:`~beaconkv.hf.attention` (the attention function it runs through), :mod:`~beaconkv.hf.hooks`
 (the forward hooks), :mod:`~beaconkv.hf.rotary` (the model's RoPE as policies use it),
-:mod:`~beaconkv.hf.generation` (``beaconkv generate --backend hf``).
+:mod:`~beaconkv.hf.generation` (``beaconkv generate --backend hf``), :mod:`~beaconkv.hf.support` (which
+architectures it serves: per-head keys and values with RoPE; others are refused in one line),
+:mod:`~beaconkv.hf.errors` (its exceptions).
 """
 
 from .attention import AttentionImplementationError
-from .cache import PolicyCache, PolicyCacheError
+from .cache import PolicyCache
+from .errors import PolicyCacheError, UnsupportedArchitectureError
 from .layer import PolicyLayer
 from .rotary import HFRotary, RotaryLayoutError
 
 __all__ = ["AttentionImplementationError", "HFRotary", "PolicyCache", "PolicyCacheError", "PolicyLayer",
-           "RotaryLayoutError"]
+           "RotaryLayoutError", "UnsupportedArchitectureError"]

@@ -15,6 +15,9 @@ native path's, unchanged.
 
 * **Which layers.** Layers of type ``full_attention`` evict; the layers transformers already bounds
   (sliding-window, chunked) keep transformers' own layer.
+* **Which models.** Those whose full-attention layers cache per-head keys and values with RoPE; any other
+  (multi-head latent attention, linear-attention hybrids, ...) is refused when the cache is made, in one line
+  (:mod:`beaconkv.hf.support`).
 * **Batches.** Left-padded prompts (transformers' convention) are stored right-packed per row, positions
   ``0 .. L_b - 1`` as ``generate`` numbers them; every row then evicts at its own steps, as in the native
   engine.
@@ -36,17 +39,14 @@ from torch import Tensor, nn
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from ..cache import KVCache
-from ..errors import BeaconKVError
 from ..policies import EvictionPolicy, FullKV
 from ..policies.state import PolicyState
 from .attention import attend_with_sinks, use_policy_attention
-from .hooks import decoder_layers, install_hooks
+from .errors import PolicyCacheError, UnsupportedArchitectureError
+from .hooks import install_hooks
 from .layer import PolicyLayer
 from .rotary import HFRotary, invert_rotary
-
-
-class PolicyCacheError(BeaconKVError, ValueError):
-    """A model or a call a :class:`PolicyCache` cannot serve; the message names the fix."""
+from .support import SUPPORTED, architecture_name, check_model, head_dim
 
 
 class PolicyCache(Cache):
@@ -64,6 +64,7 @@ class PolicyCache(Cache):
 
     Attributes:
         policy: The policy.
+        architecture: The model as refusals name it (class and ``model_type``).
         state: The policy's state over :attr:`store` (None before the prefill): its counters, telemetry,
             observers.
         store: The policy layers' :class:`~beaconkv.cache.KVCache` (None before the prefill), in the order of
@@ -76,12 +77,16 @@ class PolicyCache(Cache):
             acts (its schedule, its evictions); None: nothing. A measurement reads the held positions there.
 
     Raises:
-        PolicyCacheError: The model has no full-attention layer, or no rotary module.
+        UnsupportedArchitectureError: A model whose full-attention layers do not cache per-head keys and values
+            with RoPE (a :class:`PolicyCacheError`; :func:`~beaconkv.hf.support.check_model` says which):
+            multi-head latent attention, a linear-attention hybrid, layers sharing keys and values, no
+            full-attention layer, no rotary module.
         AttentionImplementationError: The model runs an attention implementation other than sdpa or eager.
     """
 
     def __init__(self, model: nn.Module, policy: EvictionPolicy | None = None, *,
                  max_new_tokens: int | None = None) -> None:
+        check_model(model)  # per-head keys and values with RoPE, else one line naming the architecture
         config = model.config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
         self._index: dict[int, int] = {}
@@ -92,25 +97,15 @@ class PolicyCache(Cache):
                 layers.append(PolicyLayer(self, self._index[i]))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
-        if not self._index:
-            raise PolicyCacheError(f"{type(model).__name__} has no full-attention layer (layer types "
-                                   f"{sorted(set(layer_types))}); a policy has nothing to bound, use DynamicCache.")
         super().__init__(layers=layers)
         self.policy = policy if policy is not None else FullKV()
         self.max_new_tokens = max_new_tokens
+        self.architecture = architecture_name(model)
         self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim(config)
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.dtype = model.dtype
-        decoder = model.get_decoder()
-        rotary = getattr(decoder, "rotary_emb", None)
-        if rotary is None:
-            raise PolicyCacheError(f"{type(decoder).__name__} has no rotary_emb module; a PolicyCache needs RoPE "
-                                   "(policies re-rotate stored pre-RoPE queries).")
-        self.rope = HFRotary(rotary, self.head_dim)
-        for layer in decoder_layers(model):
-            if not hasattr(layer, "self_attn"):
-                raise PolicyCacheError(f"{type(layer).__name__} has no self_attn module to observe.")
+        self.rope = HFRotary(model.get_decoder().rotary_emb, self.head_dim)
         use_policy_attention(model)
         install_hooks(model, PolicyCache)
         self.state: PolicyState | None = None
@@ -174,8 +169,16 @@ class PolicyCache(Cache):
 
         Raises:
             PolicyCacheError: Called outside a forward of the model the cache was made for.
+            UnsupportedArchitectureError: Keys or values other than per-head ``(batch, kv_heads, tokens,
+                head_dim)`` (a layer the construction's probe could not run).
         """
         layer = self._store_layer(index)
+        if (keys.dim() != 4 or keys.shape[1] != self.n_kv_heads or keys.shape[3] != self.head_dim
+                or values.shape != keys.shape):
+            raise UnsupportedArchitectureError(
+                f"{self.architecture} is not supported by a PolicyCache: policy layer {index} wrote keys "
+                f"{tuple(keys.shape)} and values {tuple(values.shape)}, not per-head keys and values (batch, "
+                f"num_key_value_heads={self.n_kv_heads}, tokens, head_dim={self.head_dim}). {SUPPORTED}.")
         if self._phase == "prefill":
             layer.write_prefill(self._packed(keys), self._packed(values), self._prompt_positions, self._valid)
         else:

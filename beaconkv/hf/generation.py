@@ -23,6 +23,7 @@ from ..policies import EvictionPolicy
 from ..policies.state import PolicyState
 from ..tokenizer import Tokenizer
 from .cache import PolicyCache
+from .support import check_config, check_model
 
 
 class HFBackendError(BeaconKVError, ValueError):
@@ -75,15 +76,21 @@ class HFGenerationOutput:
 
 def load_hf_model(path: str, dtype: str | torch.dtype = "auto", device: str = "auto") -> nn.Module:
     """A checkpoint as a transformers causal LM in eval mode, with ``sdpa`` attention (``eager`` where the
-    architecture has no sdpa attention, as gpt-oss).
+    architecture has no sdpa attention, as gpt-oss), checked to be one a :class:`~beaconkv.hf.PolicyCache`
+    serves: from its config before any weight loads, then from its modules.
 
     Args:
         path: A checkpoint directory or hub id.
         dtype: ``auto`` (bfloat16 on CUDA, float32 on CPU) or a dtype or its name.
         device: ``auto``, ``cpu``, ``cuda``...
-    """
-    from transformers import AutoModelForCausalLM
 
+    Raises:
+        UnsupportedArchitectureError: An architecture a PolicyCache does not serve (multi-head latent
+            attention, a linear-attention hybrid, ...; see :mod:`beaconkv.hf.support`).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    check_config(AutoConfig.from_pretrained(path))  # refuse before the weights load
     where = resolve_device(device)
     dtype = resolve_dtype(dtype, where)
     try:
@@ -92,7 +99,9 @@ def load_hf_model(path: str, dtype: str | torch.dtype = "auto", device: str = "a
         if "scaled_dot_product_attention" not in str(err):
             raise
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
-    return model.to(where).eval()
+    model = model.to(where).eval()
+    check_model(model)
+    return model
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
