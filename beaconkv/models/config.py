@@ -55,6 +55,9 @@ class ConfigFileError(BeaconKVError, ValueError):
 
 
 _RESTORE = "restore the value from the checkpoint's original config.json"
+# The alternative a refused model_type may have: the transformers backend (which refuses MLA and hybrids itself).
+_HF_HINT = ("; other decoders whose attention caches per-head keys and values with RoPE (Mistral, Gemma 3, gpt-oss, "
+            "Phi-3, ...) run in transformers with --backend hf.")
 
 
 def _show(value: Any) -> str:
@@ -272,7 +275,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(f"model_type={_show(self.model_type)} is not supported; beaconkv supports "
-                                        f"{', '.join(SUPPORTED_MODEL_TYPES)}.")
+                                        f"{', '.join(SUPPORTED_MODEL_TYPES)}{_HF_HINT}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "max_position_embeddings"):
             _integer(name, getattr(self, name))
@@ -323,7 +326,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type={_show(model_type)} is not supported; beaconkv supports "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}."
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}{_HF_HINT}"
             )
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if raw.get(k) is None]
