@@ -227,4 +227,11 @@ def run_eval_from_args(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         print(report.table)
+        errors = sum(row.grader_errors for row in report.rows)
+        if errors:
+            print(
+                f"warning: {errors} sample(s) could not be graded (their records' grade_error says why; "
+                "they count as wrong above): fix the cause, delete those records and run again",
+                file=sys.stderr,
+            )
     return 0

@@ -29,3 +29,4 @@ class Grade:
     correct: bool
     detail: str = ""
     containment: str | None = None
+    error: str | None = None

@@ -5,6 +5,11 @@ the registry (:mod:`beaconkv.eval.benchmarks`) and hands the response to the mat
 :func:`~beaconkv.eval.grading.grade_math`, :func:`~beaconkv.eval.grading.grade_choice` or
 :func:`~beaconkv.eval.code_grading.grade_code`. It stands above those graders, which know nothing
 of each other.
+
+It is also the runner's guarantee that one response cannot stop a run: whatever a grader raises
+(a bug, a parser that gives up on a hostile answer, a sandbox that cannot start) becomes a wrong
+:class:`~beaconkv.eval.grade.Grade` whose ``error`` names the exception, recorded as that sample's
+result, so the run goes on and a resume does not meet the same sample again.
 """
 
 from __future__ import annotations
@@ -36,8 +41,17 @@ def grade_response(
             :class:`~beaconkv.eval.sandbox.SandboxLimits`).
 
     Returns:
-        The :class:`~beaconkv.eval.grade.Grade`.
+        The :class:`~beaconkv.eval.grade.Grade`; never raises (but ``KeyboardInterrupt`` and
+        other non-``Exception`` signals): a grader's failure is a wrong grade with ``error`` set.
     """
+    try:
+        return _grade(problem, reference, response, sandbox_limits)
+    except Exception as exc:  # noqa: BLE001 - one sample's grader failure must not end the run
+        error = f"{type(exc).__name__}: {str(exc)[:500]}"
+        return Grade(None, False, f"not graded ({error})", error=error)
+
+
+def _grade(problem: Problem, reference: str | None, response: str, sandbox_limits: SandboxLimits | None) -> Grade:
     kind = get_benchmark(problem.benchmark).kind
     if kind == "math":
         return grade_math(response, reference if reference is not None else problem.answer or "")

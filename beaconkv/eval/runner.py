@@ -19,14 +19,17 @@ is set aside, see :mod:`~beaconkv.eval.results`).
 Each record (one JSON line) holds:
 
 ``benchmark, problem_id, sample_idx, policy, budget`` (the resume key), ``model, seed, answer,
-reference, correct, grade_detail, finish_reason, prompt_tokens, new_tokens, peak_cache_tokens,
+reference, correct, grade_detail, grade_error, containment, finish_reason, prompt_tokens, new_tokens, peak_cache_tokens,
 evictions, cache_capacity, seconds, text`` and, with ``save_token_ids``, ``token_ids``; plus
 ``settings`` (what must match for a resume). ``evictions`` are the request's own;
 ``peak_cache_tokens`` and ``cache_capacity`` come from
 :meth:`~beaconkv.eval.backend.EvalEngine.cache_figures` (the policy's figures for this prompt and
 these new tokens); ``seconds`` is the time the sample spent in its slot, from admission to its last
 token (the completion's ``wall_s`` less its ``queued_s``: time waiting for a free slot is not the
-sample's). Only ``seconds`` depends on the run's timing.
+sample's). Only ``seconds`` depends on the run's timing. ``grade_error`` is ``None``, or names what
+failed when the response could not be judged (:func:`~beaconkv.eval.response_grading.grade_response`
+never raises: one sample's grader failure is that sample's record, the run goes on, and a resume
+finds the sample done instead of meeting the failure again); the summary counts those samples.
 
 The policy is built and checked (:meth:`~beaconkv.eval.config.EvalConfig.make_policy`) before
 anything is loaded; one policy object serves every slot. The model is loaded only if some sample is
@@ -358,6 +361,7 @@ def _generate(
                 "reference": prompt.reference,
                 "correct": grade.correct,
                 "grade_detail": grade.detail,
+                "grade_error": grade.error,
                 "containment": grade.containment,
                 "finish_reason": completion.finish_reason,
                 "prompt_tokens": completion.prompt_tokens,

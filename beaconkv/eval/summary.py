@@ -38,6 +38,9 @@ class SummaryRow:
         containment: The sandbox containment the programs of a code benchmark ran under
             (:mod:`beaconkv.eval.sandbox`; several, comma-separated, if the samples differ);
             ``""`` where no program ran.
+        grader_errors: Samples whose response could not be judged (their record's
+            ``grade_error``, e.g. a sandbox that failed to start); they count as not correct in
+            ``pass_at_1``, and a run with any should be re-run once the cause is fixed.
     """
 
     benchmark: str
@@ -53,6 +56,7 @@ class SummaryRow:
     truncated: float
     mean_seconds: float
     containment: str = ""
+    grader_errors: int = 0
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -91,6 +95,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[SummaryRow]:
                 truncated=_mean([r["finish_reason"] == "length" for r in recs]),
                 mean_seconds=_mean([r["seconds"] for r in recs]),
                 containment=", ".join(sorted({r["containment"] for r in recs if r.get("containment")})),
+                grader_errors=sum(1 for r in recs if r.get("grade_error")),
             )
         )
     rows.sort(key=lambda r: (r.benchmark, r.policy, -1 if r.budget is None else r.budget))
@@ -108,7 +113,7 @@ def format_summary_table(rows: Sequence[SummaryRow]) -> str:
     """
     header = [
         "benchmark", "policy", "budget", "problems", "samples", "pass@1 %",
-        "new tokens", "peak cache", "evictions", "truncated %", "s/sample", "sandbox",
+        "new tokens", "peak cache", "evictions", "truncated %", "s/sample", "sandbox", "grader errors",
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
@@ -125,6 +130,7 @@ def format_summary_table(rows: Sequence[SummaryRow]) -> str:
             f"{100 * r.truncated:.1f}",
             f"{r.mean_seconds:.2f}",
             r.containment or "-",
+            str(r.grader_errors),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -271,3 +271,30 @@ def test_a_code_run_refuses_before_generating_where_the_sandbox_cannot_start(tmp
     assert gen.engines == [] and not (tmp_path / "livecodebench__full.jsonl").exists()
     with pytest.raises(ValueError, match="sandbox='docker'.*--sandbox with one of namespaces, rlimits"):
         config(tmp_path, sandbox="docker")
+
+
+def test_one_sample_whose_grader_fails_is_recorded_and_the_run_goes_on(tmp_path: Path, monkeypatch, capsys) -> None:
+    # a grader that raises on one response (as grade_code did on a forged result mark): the run
+    # records that sample's error, grades the others, and a rerun finds every sample done
+    from beaconkv.eval import response_grading
+
+    real = response_grading._grade
+    failed: list[str] = []
+
+    def flaky(problem, reference, response, sandbox_limits):
+        if problem.id == "61" and not failed:
+            failed.append(problem.id)
+            raise json.JSONDecodeError("Expecting value", "", 0)
+        return real(problem, reference, response, sandbox_limits)
+
+    monkeypatch.setattr(response_grading, "_grade", flaky)
+    report = run_eval(config(tmp_path), backend=GenerationBackend(Tok(), FakeEngines()), problems=PROBLEMS)
+    records = read(report.results_file)
+    assert len(records) == 9
+    broken = [r for r in records if r["grade_error"]]
+    assert len(broken) == 1 and broken[0]["problem_id"] == "61" and broken[0]["correct"] is False
+    assert broken[0]["grade_error"] == "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"
+    assert all(r["grade_error"] is None for r in records if r is not broken[0])
+    assert report.rows[0].grader_errors == 1 and report.table.splitlines()[-1].endswith("| 1 |")
+    again = run_eval(config(tmp_path), backend=GenerationBackend(Tok(), FakeEngines()), problems=PROBLEMS)
+    assert (again.generated, again.skipped) == (0, 9)
