@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -406,11 +407,14 @@ def test_the_fallback_runs_only_when_asked_for_and_says_so(monkeypatch) -> None:
     # Where namespaces do not work, the default refuses to run, naming the reason and the opt-in.
     monkeypatch.setattr(sandbox, "_namespace_probe", lambda: (False, "user namespaces disabled"))
     assert not sandbox.namespace_sandbox_available()
-    for attempt in (lambda: run_python({"main.py": code}, "main.py"),
-                    lambda: grade_code(fenced(code), (CodeTest("", "45\n"),)),
-                    lambda: sandbox.check_containment()):
-        with pytest.raises(SandboxUnavailable, match="user namespaces disabled.*containment='rlimits'.*--sandbox rlimits"):
+    reason = "user namespaces disabled.*containment='rlimits'.*--sandbox rlimits"
+    for attempt in (lambda: run_python({"main.py": code}, "main.py"), lambda: sandbox.check_containment()):
+        with pytest.raises(SandboxUnavailable, match=reason):
             attempt()
+    # grading never raises: the refusal is the grade's error, and nothing is graded correct
+    refused = grade_code(fenced(code), (CodeTest("", "45\n"),))
+    assert not refused.correct and refused.containment is None
+    assert re.match("SandboxUnavailable: .*" + reason, refused.error or ""), refused.error
     assert sandbox.check_containment(rlimits) == "rlimits-only"
 
 
