@@ -16,6 +16,7 @@ __all__ = [
     "EvalError",
     "MissingFieldError",
     "ResultsConflictError",
+    "ResultsFileError",
     "UnknownBenchmarkError",
 ]
 
@@ -45,3 +46,8 @@ class DatasetAccessError(EvalError, RuntimeError):
 
 class ResultsConflictError(EvalError, RuntimeError):
     """An existing results file was written with different settings than this run."""
+
+
+class ResultsFileError(DatasetFormatError):
+    """A results file that cannot be used: a symlink or other non-regular file where a results file
+    belongs, a line that is not a record, or a record with a missing or mistyped key field."""

@@ -47,7 +47,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import Any, BinaryIO, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -75,6 +75,7 @@ from beaconkv.eval.response_grading import grade_response
 from beaconkv.eval.results import (
     load_done,
     merge_results,
+    open_results_file,
     policy_label,
     rank_file,
     results_stem,
@@ -334,7 +335,7 @@ def _generate(
         desc += f" [rank {ctx.rank}/{ctx.world_size}]"
     generated = correct = 0
     with (
-        part.open("a", encoding="utf-8") as sink,
+        open_results_file(part, "ab") as sink,
         tqdm(
             total=len(pending),
             desc=desc,
@@ -383,8 +384,8 @@ def _generate(
     return generated
 
 
-def _append(sink: TextIO, record: dict[str, Any]) -> None:
+def _append(sink: BinaryIO, record: dict[str, Any]) -> None:
     """Append one record as a line and push it to the disk (a kill keeps every finished sample)."""
-    sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+    sink.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
     sink.flush()
     os.fsync(sink.fileno())

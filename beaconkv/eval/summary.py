@@ -13,9 +13,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from beaconkv.eval.results import is_rank_file, read_jsonl_records
+from beaconkv.eval.errors import ResultsFileError
+from beaconkv.eval.results import is_rank_file, iter_jsonl_records, record_field_problem
 
-__all__ = ["SummaryRow", "format_summary_table", "summarize", "write_summary"]
+__all__ = ["SUMMARY_FIELDS", "SummaryRow", "format_summary_table", "summarize", "write_summary"]
+
+SUMMARY_FIELDS: dict[str, tuple[type, ...]] = {
+    "correct": (bool,),
+    "new_tokens": (int,),
+    "peak_cache_tokens": (int, float),
+    "evictions": (int,),
+    "finish_reason": (str,),
+    "seconds": (int, float),
+}
+"""The fields of a record the summary reads (beyond the key fields), with the JSON types they may hold."""
 
 
 @dataclass(frozen=True)
@@ -146,12 +157,22 @@ def write_summary(out_dir: Path) -> tuple[list[SummaryRow], str]:
 
     Returns:
         ``(rows, markdown table)``.
+
+    Raises:
+        ResultsFileError: A results file is not a regular file, or a record lacks a field the
+            summary needs (:data:`SUMMARY_FIELDS`) or holds one of the wrong type; the message
+            names the file and the line.
     """
     records: list[dict[str, Any]] = []
     for path in sorted(out_dir.glob("*.jsonl")):
         if is_rank_file(path):
             continue
-        records.extend(read_jsonl_records(path))
+        for lineno, record in iter_jsonl_records(path):
+            wrong = record_field_problem(record, SUMMARY_FIELDS)
+            if wrong:
+                raise ResultsFileError(f"{path}:{lineno}: {wrong}; fix or delete that line (its sample is then "
+                                       "generated again)")
+            records.append(record)
     rows = summarize(records)
     table = format_summary_table(rows)
     (out_dir / "summary.md").write_text(table + "\n", encoding="utf-8")

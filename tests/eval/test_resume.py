@@ -8,18 +8,22 @@ sample is generated again: no sample lost or duplicated, the summary counts all 
 
 from __future__ import annotations
 
+import io
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from beaconkv.cli import main
-from beaconkv.eval import runner
+from beaconkv.eval import results, runner
 from beaconkv.eval.backend import GenerationBackend
 from beaconkv.eval.config import EvalConfig
-from beaconkv.eval.errors import DatasetFormatError
+from beaconkv.eval.errors import DatasetFormatError, ResultsFileError
 from beaconkv.eval.results import (
     load_done,
+    merge_results,
+    open_results_file,
     rank_file,
     read_jsonl_records,
     set_aside_torn_tail,
@@ -255,4 +259,148 @@ def test_a_broken_line_before_the_last_is_an_error(tmp_path) -> None:
         read_jsonl_records(path)
     path.write_bytes(record(1) + b"[1, 2]\n" + record(2))
     with pytest.raises(DatasetFormatError, match=r"r.jsonl:2: a JSON list, not an object"):
+        read_jsonl_records(path)
+
+
+# --------------------------------------------------------------------------- issue #39: resume stays in its run
+
+
+def two_lines_torn() -> bytes:
+    return record(1) + b'{"benchmark": "b", "pro'
+
+
+@pytest.mark.parametrize("which", ["results", "torn"])
+def test_a_symlink_is_never_followed(tmp_path, which: str) -> None:
+    outside = tmp_path / "home"
+    outside.mkdir()
+    bashrc = outside / ".bashrc"
+    bashrc.write_bytes(b"export PATH=/usr/bin\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "r.jsonl"
+    if which == "results":  # the merged file links to a file elsewhere: its last line was cut
+        target = outside / "victim.jsonl"
+        target.write_bytes(two_lines_torn())
+        path.symlink_to(target)
+    else:  # the torn file links to ~/.bashrc: the tail was appended to it
+        target = bashrc
+        path.write_bytes(two_lines_torn())
+        torn_file(path).symlink_to(bashrc)
+    before = target.read_bytes()
+    with pytest.raises(ResultsFileError, match=r"r\.jsonl(\.torn)? is a symbolic link.*never followed"):
+        set_aside_torn_tail(path)
+    assert target.read_bytes() == before
+    if which == "torn":
+        assert path.read_bytes() == two_lines_torn()  # nothing cut when the tail has nowhere to go
+    with pytest.raises(ResultsFileError, match="symbolic link"):
+        read_jsonl_records(out / "r.jsonl" if which == "results" else torn_file(path))
+
+
+def test_a_fifo_or_a_directory_is_refused_without_blocking(tmp_path) -> None:
+    fifo = tmp_path / "f.jsonl"
+    os.mkfifo(fifo)
+    for call in (set_aside_torn_tail, read_jsonl_records):
+        with pytest.raises(ResultsFileError, match=r"f\.jsonl is not a regular file \(a FIFO\)"):
+            call(fifo)
+    with pytest.raises(ResultsFileError, match=r"is not a regular file \(a FIFO\)"):
+        open_results_file(fifo, "ab")  # a writer with no reader: ENXIO, named
+    (tmp_path / "d.jsonl").mkdir()
+    with pytest.raises(ResultsFileError, match=r"d\.jsonl is not a regular file \(a directory\)"):
+        read_jsonl_records(tmp_path / "d.jsonl")
+
+
+def test_a_link_to_dev_zero_is_refused_not_read(tmp_path) -> None:
+    path = tmp_path / "r.jsonl"
+    path.symlink_to("/dev/zero")
+    with pytest.raises(ResultsFileError, match="symbolic link"):
+        read_jsonl_records(path)
+    with pytest.raises(ResultsFileError, match="symbolic link"):
+        load_done(tmp_path, "r")
+
+
+def test_the_merge_writes_through_no_link_left_at_its_temporary_name(tmp_path) -> None:
+    stem = "b__p"
+    rank_file(tmp_path, stem, 0).write_bytes(record(1))
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me\n")
+    (tmp_path / f"{stem}.jsonl.tmp").symlink_to(victim)
+    merged = merge_results(tmp_path, stem)
+    assert victim.read_bytes() == b"keep me\n"
+    assert not merged.is_symlink() and read_jsonl_records(merged)[0]["problem_id"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (b'{"benchmark": "b", "problem_id": "1", "policy": "p", "budget": 8}', "the record has no 'sample_idx' field"),
+        (b'{"benchmark": 7, "problem_id": "1", "sample_idx": 0, "policy": "p", "budget": 8}',
+         "the record's 'benchmark' is 7 \\(an integer\\), not a string"),
+        (b'{"benchmark": "b", "problem_id": "1", "sample_idx": "0", "policy": "p", "budget": 8}',
+         "the record's 'sample_idx' is \"0\" \\(a string\\), not an integer"),
+        (b'{"benchmark": "b", "problem_id": "1", "sample_idx": true, "policy": "p", "budget": 8}',
+         "the record's 'sample_idx' is true \\(a boolean\\), not an integer"),
+        (b'{"benchmark": "b", "problem_id": "1", "sample_idx": 0, "policy": "p", "budget": 8, "settings": [1]}',
+         "the record's 'settings' is \\[1\\] \\(an array\\), not an object or null"),
+    ],
+)
+def test_a_malformed_record_is_one_line_naming_the_file_and_line(tmp_path, line: bytes, message: str) -> None:
+    path = tmp_path / "r.jsonl"
+    for body in (record(1) + line + b"\n" + record(2), record(1) + line + b"\n"):  # in the middle, or last
+        path.write_bytes(body)
+        with pytest.raises(ResultsFileError, match=rf"r\.jsonl:2: {message}; fix or delete that line"):
+            read_jsonl_records(path)
+
+
+def test_a_record_the_summary_cannot_read_is_named_by_file_and_line(tmp_path) -> None:
+    from beaconkv.eval.summary import write_summary
+
+    good = {"benchmark": "b", "problem_id": "1", "sample_idx": 0, "policy": "p", "budget": 8, "correct": True,
+            "new_tokens": 3, "peak_cache_tokens": 9, "evictions": 0, "finish_reason": "stop", "seconds": 0.5}
+    bad = {**good, "sample_idx": 1, "correct": "yes"}
+    (tmp_path / "b__p__b8.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ResultsFileError, match=r"b__p__b8\.jsonl:2: the record's 'correct' is \"yes\" \(a string\), not a boolean"):
+        write_summary(tmp_path)
+
+
+def test_a_malformed_results_file_stops_the_cli_in_one_line(tmp_path, data, monkeypatch, capsys) -> None:
+    use_model(monkeypatch, FakeEngines())
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / f"{STEM}.jsonl").write_bytes(b'{"benchmark": "aime24", "problem_id": ["60"], "sample_idx": 0}\n')
+    assert main(cli(out, data)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("beaconkv eval: error: ") and f"{STEM}.jsonl:1: " in err[0]
+
+
+class CountingReader(io.BytesIO):
+    """A file that counts the bytes read from it."""
+
+    read_bytes = 0
+
+    def read(self, size: int | None = -1) -> bytes:  # type: ignore[override]
+        data = super().read(size)
+        self.read_bytes += len(data)
+        return data
+
+
+@pytest.mark.parametrize("newline", [b"", b"\n"])
+def test_the_tail_scan_reads_each_byte_of_a_long_torn_line_once(newline: bytes) -> None:
+    # a 40 MB torn line took 14.5 s: the scan joined the blocks it had read at every step
+    tail = b'{"benchmark": "b", "text": "' + b"x" * (8 << 20) + newline
+    body = record(1) + tail
+    f = CountingReader(body)
+    assert results._torn_tail_start(f, len(body)) == len(record(1))
+    assert f.read_bytes <= 2 * len(tail) + 2 * results._BLOCK, f.read_bytes
+
+
+def test_a_line_longer_than_any_record_is_torn_and_never_held(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(results, "MAX_RECORD_BYTES", 1000)
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(record(1) + b"[" * 5000 + b"\n")
+    with pytest.warns(UserWarning, match="ignoring a torn last line"):
+        assert [r["problem_id"] for r in read_jsonl_records(path)] == ["1"]
+    with pytest.warns(UserWarning):
+        assert set_aside_torn_tail(path) == 5001
+    path.write_bytes(record(1) + b"[" * 5000 + b"\n" + record(2))
+    with pytest.raises(ResultsFileError, match=r"r\.jsonl:2: a line of more than 1000 bytes"):
         read_jsonl_records(path)
