@@ -22,6 +22,15 @@ PID, IPC, UTS, cgroup and network namespaces, and then:
   ``/etc/hostname``, other users' files) does not exist there. The only writable place is the
   working folder ``/sandbox`` (also ``HOME`` and ``TMPDIR``), a private tmpfs of
   ``file_size_mb`` MiB that holds a copy of the files and disappears with the run.
+  Every bound path is resolved first (``realpath``), so a symlink cannot widen what is shown: the
+  Python installation is the real binary's prefix, ``dirname(dirname(realpath(sys.executable)))``
+  (a grader started through ``~/bin/python``, a link, shows the installation the link points to,
+  not ``~``), with the standard library's prefix and the venv's folder (which holds
+  ``pyvenv.cfg``); an installation that is ``/``, a home directory, the temporary folder or a
+  folder holding one of them is refused (:class:`SandboxUnavailable`). An ``/etc`` file or
+  ``/dev`` node that links elsewhere is shown as a link into what is already bound, as the file
+  it names when that stays in ``/etc`` (``/dev``: a character device in ``/dev``), or not at
+  all. Only plain files and folders are copied into the working folder.
 * **Processes**: the program runs under an init process of its own PID namespace. When the program
   exits (or is killed at the timeout), the init exits and the kernel kills every process left in
   the namespace (``setsid``, double forks and daemons included) before :func:`run_python` returns.
@@ -31,7 +40,8 @@ PID, IPC, UTS, cgroup and network namespaces, and then:
   (uid/gid :data:`SANDBOX_HOST_ID`, seen as 1000 inside); otherwise as the grader's own uid (seen
   as 0 inside). Either way it holds no capabilities, cannot gain any (``no_new_privs``, ``nosuid``
   mounts, an empty bounding set) and a seccomp filter refuses ``unshare``, ``setns``, ``clone3``,
-  namespace flags to ``clone``, and the kernel keyrings.
+  namespace flags to ``clone``, the kernel keyrings and io_uring (``io_uring_setup``,
+  ``io_uring_enter``, ``io_uring_register`` fail with ``ENOSYS``).
 * **Network**: a network namespace with no interface but a down loopback (unless
   ``network="python"``), in addition to the Python-level block.
 * **Memory of the whole process tree**: with a cgroup v2 whose ``memory`` and ``pids`` controllers
@@ -42,7 +52,8 @@ PID, IPC, UTS, cgroup and network namespaces, and then:
   never used). Otherwise
   ``"namespaces+rlimit"``: ``RLIMIT_AS`` per process and a process cap, so that the tree's total
   address space stays within ``memory_mb``: with ``max_processes=1`` (the default) the seccomp filter
-  refuses to create processes (threads are allowed and share the one address space); with
+  refuses to create processes (up to 64 threads besides the main one are allowed and share the
+  one address space); with
   ``max_processes=n > 1``, ``RLIMIT_NPROC`` caps the program at ``n`` tasks (processes and threads
   together) and each process gets ``memory_mb / n`` of address space. ``RLIMIT_NPROC`` is counted per
   user namespace, so concurrent runs do not share it (where it cannot apply, the program's host uid
@@ -71,8 +82,16 @@ process group, the namespaces everything), the CPU limit (``RLIMIT_CPU``), ``RLI
 ``RLIMIT_FSIZE`` (also on stdout/stderr, which go to files outside the sandbox), ``RLIMIT_NOFILE``,
 no core dumps, ``python -I -B`` with a minimal environment (no proxies, tokens or credentials of the
 parent), the Python-level socket block, and the output cap: a program whose stdout or stderr
-reaches ``file_size_mb`` gets the status ``"output-limit"`` and only the first MiB of that stream is
-read back, so the grader's memory stays bounded.
+reaches ``file_size_mb`` gets the status ``"output-limit"``; what is read back into the grader is
+bounded (stdout: at most ``file_size_mb`` MiB, only the first MiB past the cap; stderr: its last
+MiB; see :class:`SandboxResult`).
+
+Threads under ``RLIMIT_AS``: every thread reserves its whole stack in the address space, and glibc
+gives threads malloc arenas of 64 MiB of address space each; at ``memory_mb=512`` that stopped a
+program at 14 threads with most of its memory unused. So the program runs with
+``MALLOC_ARENA_MAX=1`` and the threads Python starts get a stack of 1/128 of the process's memory
+limit (at most the usual 8 MiB, 4 MiB at 512 MiB; the main thread keeps ``RLIMIT_STACK``): 64
+threads then take at most half of the limit.
 
 The namespace containment is a kernel-level sandbox, not a virtual machine: a kernel exploit
 escapes it. Run evaluations of hostile code inside a VM if that matters.
@@ -88,6 +107,7 @@ import resource
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -144,8 +164,19 @@ _INSIDE_ID = 1000  # the program's uid/gid inside the namespace when SANDBOX_HOS
 _INSIDE_DIR = "/sandbox"  # the working folder, as the program sees it
 _HELPER_FLAG = "--beaconkv-sandbox-helper"
 _HELPER_GRACE_S = 10.0  # the helper's own start and teardown, beyond timeout_s
-_KEPT_OUTPUT_BYTES = 1 << 20  # what is read back of a stream that hit the output limit
-_MAX_THREADS = 64  # tasks (main thread included) allowed when max_processes == 1
+_KEPT_OUTPUT_BYTES = 1 << 20  # stdout that hit the output limit: its first MiB; stderr: its last MiB
+_MAX_THREADS = 64  # threads the program may start besides its main thread when max_processes == 1
+_MAX_TASKS = _MAX_THREADS + 1  # RLIMIT_NPROC / pids.max counts the main thread too
+# Python threads' stack: 1/128 of the process's address space, so that _MAX_THREADS stacks take at
+# most half of it, between these bounds (8 MiB is glibc's default, from RLIMIT_STACK).
+_THREAD_STACK_SHARE = 128
+_THREAD_STACK_MIN = 256 << 10
+_THREAD_STACK_MAX = 8 << 20
+_THREAD_STACK_ALIGN = 64 << 10  # a multiple of every page size (4, 16 and 64 KiB)
+# What the sandbox's root shows of the host (see _mount_plan), besides the interpreter.
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_DEV_NODES = ("null", "zero", "full", "random", "urandom")
+_ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime")
 _HELPER_TASKS = 2  # the helper's two processes inside the user namespace (unshare-er and init)
 _CGROUP_SLACK_MB = 16  # memory.max headroom for those two processes
 #: Set by tests only: map just the grader's uid (what an unprivileged grader gets) even as root.
@@ -183,7 +214,8 @@ class SandboxLimits:
             fallback, an explicit opt-in (what it does not contain is listed in the module
             docstring).
         max_processes: Processes the program may run at once, itself included. ``1`` (the
-            default): creating processes fails with ``PermissionError`` (threads work, up to 64).
+            default): creating processes fails with ``PermissionError`` (up to 64 threads
+            besides the main one work).
             ``n > 1``: at most ``n`` tasks (processes and threads together) and, without a cgroup,
             ``memory_mb / n`` of address space per process. Namespace containment only; the
             fallback caps nothing.
@@ -224,9 +256,13 @@ class SandboxResult:
 
     Attributes:
         returncode: Exit status (negative: killed by that signal).
-        stdout: Captured stdout (decoded UTF-8, errors replaced); only its first MiB when
-            ``output_limited``.
-        stderr: Captured stderr, likewise.
+        stdout: Captured stdout (decoded UTF-8, errors replaced), whole: the output cap
+            (``file_size_mb``, 64 MiB by default) bounds it, which is the bound on what a run
+            hands the grader: at most ``file_size_mb`` Mi characters, one byte each for ASCII
+            output (up to four each where a character beyond U+FFFF widens the whole string).
+            Lower ``file_size_mb`` to lower it. When ``output_limited``, only its first MiB.
+        stderr: Captured stderr (decoded likewise), only its last MiB: it serves diagnostics
+            (the end of a traceback), so megabytes of debug lines cost the grader one MiB.
         timed_out: Whether the wall or CPU limit was hit.
         wall_s: Elapsed seconds.
         containment: How the run was contained: ``"namespaces+cgroup"``, ``"namespaces+rlimit"``
@@ -367,7 +403,40 @@ def _clean_env(home: str) -> dict[str, str]:
         "LANG": "C.UTF-8",
         "LC_ALL": "C.UTF-8",
         "OMP_NUM_THREADS": "1",
+        # glibc gives each thread that allocates under contention an arena of its own, each
+        # reserving 64 MiB of address space: under RLIMIT_AS that, not memory, capped a program at
+        # about 14 threads. Python allocates under its GIL, so one arena costs next to nothing.
+        "MALLOC_ARENA_MAX": "1",
     }
+
+
+def _thread_stack_bytes(limits: SandboxLimits, namespaced: bool) -> int | None:
+    """The stack of the threads Python starts in the program, or ``None`` for the platform's.
+
+    Every thread reserves its whole stack in the address space that ``RLIMIT_AS`` bounds, and
+    glibc's default is ``RLIMIT_STACK`` (8 MiB): 64 threads would reserve 512 MiB. A stack of
+    1/128 of the process's address space (8 MiB at most, 256 KiB at least) keeps 64 threads within
+    half of it: 4 MiB at ``memory_mb=512``, the platform's 8 MiB from 1024 MiB up. The main
+    thread keeps its ``RLIMIT_STACK``; a program may still choose its own size
+    (``threading.stack_size``).
+    """
+    if limits.memory_mb is None:
+        return None
+    share = limits.max_processes if (namespaced and limits.max_processes > 1) else 1
+    size = ((limits.memory_mb << 20) // share) // _THREAD_STACK_SHARE
+    size = size // _THREAD_STACK_ALIGN * _THREAD_STACK_ALIGN
+    return max(_THREAD_STACK_MIN, min(_THREAD_STACK_MAX, size))
+
+
+def _prelude(limits: SandboxLimits, namespaced: bool) -> str:
+    """What is prepended to the script: the network guard and the threads' stack size."""
+    stack = _thread_stack_bytes(limits, namespaced)
+    if stack is None:
+        return NETWORK_GUARD
+    return NETWORK_GUARD + (
+        f"import _thread as _beaconkv_thread\n_beaconkv_thread.stack_size({stack})\n"
+        "del _beaconkv_thread\n"
+    )
 
 
 def run_python(
@@ -382,10 +451,12 @@ def run_python(
 
     The ``files`` are written into an empty folder, which becomes the working directory;
     ``script`` (one of them) runs with ``python -I -B -X utf8`` after the network guard
-    (:data:`NETWORK_GUARD`) has been prepended to it (so the script must not start with a
-    ``from __future__`` import). Everything is deleted afterwards, and no process of the program
-    survives the call under namespace containment. The fallback sets its limits in ``preexec_fn``;
-    call this from the main thread of a process that does not fork concurrently.
+    (:data:`NETWORK_GUARD`) and, under a memory limit, a line that sets the stack of the threads
+    it starts (1/128 of its memory, at most the usual 8 MiB: 64 threads fit in half the limit) have
+    been prepended to it (so the script must not start with a ``from __future__`` import).
+    Everything is deleted afterwards, and no process of the program survives the call under
+    namespace containment. The fallback sets its limits in ``preexec_fn``; call this from the
+    main thread of a process that does not fork concurrently.
 
     Args:
         files: File name (relative, no ``..``) -> content.
@@ -431,7 +502,7 @@ def _run(
                 raise ValueError(f"file name {name!r} escapes the sandbox directory")
             target.parent.mkdir(parents=True, exist_ok=True)
             if name == script:
-                content = NETWORK_GUARD + "\n" + content
+                content = _prelude(limits, namespaced) + "\n" + content
             target.write_text(content, encoding="utf-8")
         (io_dir / "stdin").write_text(stdin, encoding="utf-8")
         start = time.monotonic()
@@ -453,7 +524,7 @@ def _run(
             timed_out = True
         cap = limits.file_size_mb * 1024 * 1024
         stdout, out_limited = _read_capped(io_dir / "stdout", cap)
-        stderr, err_limited = _read_capped(io_dir / "stderr", cap)
+        stderr, err_limited = _read_tail(io_dir / "stderr", cap)
     return SandboxResult(
         returncode, stdout, stderr, timed_out, wall,
         output_limited=out_limited or err_limited, **extra,
@@ -461,15 +532,33 @@ def _run(
 
 
 def _read_capped(path: Path, cap: int) -> tuple[str, bool]:
-    """Read a captured stream: whole if under ``cap`` bytes, else its first MiB and ``True``.
+    """Read captured stdout: whole if under ``cap`` bytes, else its first MiB and ``True``.
 
     ``RLIMIT_FSIZE`` stops the stream's file at exactly ``cap`` bytes, so reaching it means the
-    program tried to write more.
+    program tried to write more. Reads exactly the bytes kept (``read(cap)`` would allocate
+    ``cap`` bytes up front whatever the file's size).
     """
-    limited = path.stat().st_size >= cap
+    size = path.stat().st_size
+    limited = size >= cap
     with open(path, "rb") as f:
-        data = f.read(_KEPT_OUTPUT_BYTES if limited else cap)
+        data = f.read(_KEPT_OUTPUT_BYTES if limited else size)
     return data.decode("utf-8", errors="replace"), limited
+
+
+def _read_tail(path: Path, cap: int) -> tuple[str, bool]:
+    """Read captured stderr: its last MiB (where a traceback ends), and whether it reached ``cap``.
+
+    Only diagnostics are read from stderr, so a program that writes megabytes of debug lines
+    there costs the grader one MiB, not their size.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        f.seek(max(0, size - _KEPT_OUTPUT_BYTES))
+        data = f.read()
+    skip = 0
+    while size > _KEPT_OUTPUT_BYTES and skip < min(3, len(data)) and 0x80 <= data[skip] < 0xC0:
+        skip += 1  # cut inside a character: drop its continuation bytes
+    return data[skip:].decode("utf-8", errors="replace"), size >= cap
 
 
 def _run_rlimits(
@@ -521,15 +610,14 @@ def _run_namespaced(
     """Start the helper (this file as a script) and turn its report into a result."""
     newroot = root / "newroot"  # empty mount point of the sandbox's root, inside its mount namespace
     newroot.mkdir()
-    exe_dir = os.path.realpath(os.path.dirname(sys.executable))
+    mounts, executable = _mount_plan()
     config = {
         "work": str(work),
         "newroot": str(newroot),
         "result": str(root / "result.json"),
-        "argv": [os.path.join(exe_dir, os.path.basename(sys.executable)),
-                 "-I", "-B", "-X", "utf8", script, *args],
+        "argv": [executable, "-I", "-B", "-X", "utf8", script, *args],
         "env": _clean_env(_INSIDE_DIR),
-        "mounts": _mount_plan(),
+        "mounts": mounts,
         "timeout_s": limits.timeout_s,
         "cpu_s": limits.cpu_s if limits.cpu_s is not None else int(limits.timeout_s) + 2,
         "memory_mb": limits.memory_mb,
@@ -575,23 +663,182 @@ def _run_namespaced(
     return os.waitstatus_to_exitcode(report["status"]), report["timed_out"], extra
 
 
-def _mount_plan() -> list[list[str]]:
-    """Host paths the sandbox sees read-only: ``["bind", path]`` or ``["symlink", path, target]``."""
+def _mount_plan() -> tuple[list[list[str]], str]:
+    """What the sandbox's root shows of the host, and the interpreter path to run there.
+
+    Returns:
+        ``(mounts, executable)``. Each mount is ``["bind", source, target]`` (a read-only bind),
+        ``["device", source, target]`` (a read-only bind of a character device) or
+        ``["symlink", path, target]``; every bind source is a resolved path (``realpath``), so
+        what is bound is what was checked. ``executable`` resolves inside the sandbox's root.
+
+    Raises:
+        SandboxUnavailable: The interpreter's installation is ``/``, a home directory, the
+            temporary folder or a folder holding one of them, which the sandbox will not show.
+    """
     plan: list[list[str]] = []
-    bound: list[str] = []
-    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+    trees: list[str] = []  # bound directories
+    links: dict[str, str] = {}  # top-level symlinks recreated in the new root
+    for top in _SYSTEM_DIRS:
         if os.path.islink(top):  # merged /usr: /bin -> usr/bin
-            plan.append(["symlink", top, os.readlink(top)])
+            links[top] = os.readlink(top)
+            plan.append(["symlink", top, links[top]])
         elif os.path.isdir(top):
-            plan.append(["bind", top])
-            bound.append(top)
-    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                os.path.dirname(os.path.dirname(sys.executable))}
-    for path in sorted({os.path.realpath(p) for p in prefixes}, key=len):
-        if os.path.isdir(path) and not any(path == b or path.startswith(b + "/") for b in bound):
-            plan.append(["bind", path])
-            bound.append(path)
+            plan.append(["bind", top, top])
+            trees.append(top)
+    for root in _interpreter_roots():  # parents first
+        if not _within(root, trees):
+            plan.append(["bind", root, root])
+            trees.append(root)
+    plan += _host_files("/etc", _ETC_FILES, trees)
+    plan += _host_files("/dev", _DEV_NODES, trees, devices=True)
+    # As run (a venv's bin/python, next to the pyvenv.cfg that makes it the venv), if every link
+    # on the way to the binary stays in what is bound; else the binary itself.
+    as_run = os.path.join(os.path.realpath(os.path.dirname(sys.executable)),
+                          os.path.basename(sys.executable))
+    for executable in (as_run, os.path.realpath(sys.executable)):
+        if _resolves_inside(executable, trees, links):
+            return plan, executable
+    raise SandboxUnavailable(
+        f"the interpreter {sys.executable!r} (the binary {os.path.realpath(sys.executable)!r}) "
+        f"does not resolve inside the sandbox's root, which shows {sorted(trees)}"
+    )
+
+
+def _host_files(folder: str, names: Sequence[str], trees: Sequence[str], *,
+                devices: bool = False) -> list[list[str]]:
+    """Mount plan entries that show ``folder/name`` for each of ``names`` that exists.
+
+    Resolved first: a file that links into ``trees`` (shown already) becomes that same link
+    (``/etc/localtime -> /usr/share/zoneinfo/...``), one that resolves inside ``folder`` is bound
+    from where it resolves, and one that resolves anywhere else is left out. With ``devices``, only
+    character devices are bound (as ``"device"`` entries, which keep device access).
+    """
+    plan: list[list[str]] = []
+    inside = [os.path.realpath(folder)]
+    for name in names:
+        path = os.path.join(folder, name)
+        real = os.path.realpath(path)
+        try:
+            mode = os.stat(real).st_mode
+        except OSError:
+            continue  # absent, or a dangling link
+        if devices:
+            if stat.S_ISCHR(mode) and _within(real, inside):
+                plan.append(["device", real, path])
+        elif real != path and _within(real, trees):
+            plan.append(["symlink", path, real])
+        elif _within(real, inside):
+            plan.append(["bind", real, path])
     return plan
+
+
+def _interpreter_roots() -> list[str]:
+    """The resolved installation folders of the running interpreter, parents first.
+
+    The binary's prefix (``dirname(dirname(realpath(sys.executable)))``, never that of a link to
+    it: ``~/bin/python`` would make it ``~``), the standard library's prefix, and the virtual
+    environment's folder when one is active (it must hold ``pyvenv.cfg``). Each is checked
+    against :func:`_refused_root`.
+    """
+    import sysconfig
+
+    real_exe = os.path.realpath(sys.executable) if sys.executable else ""
+    if not real_exe or not os.path.isfile(real_exe):
+        raise SandboxUnavailable(
+            f"sys.executable={sys.executable!r} names no interpreter binary; run the grader with a "
+            "Python whose sys.executable is set"
+        )
+    roots = {os.path.dirname(os.path.dirname(real_exe)): f"binary {real_exe}"}
+    for key in ("stdlib", "platstdlib"):  # <prefix>/lib/pythonX.Y
+        library = os.path.realpath(sysconfig.get_path(key))
+        roots.setdefault(os.path.dirname(os.path.dirname(library)), f"standard library {library}")
+    for prefix in {sys.prefix, sys.exec_prefix} - {sys.base_prefix, sys.base_exec_prefix}:
+        venv = os.path.realpath(prefix)
+        if not os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
+            raise SandboxUnavailable(
+                f"sys.prefix={prefix!r} differs from sys.base_prefix={sys.base_prefix!r} but holds "
+                "no pyvenv.cfg: not a virtual environment the sandbox can show; run the grader "
+                "with a venv's interpreter or the base one"
+            )
+        roots.setdefault(venv, f"virtual environment {venv}")
+    for root, what in roots.items():
+        refused = _refused_root(root)
+        if refused:
+            raise SandboxUnavailable(
+                f"the interpreter's installation {root!r} (holding its {what}) is {refused}; the "
+                "sandbox shows the interpreter's installation to the program and will not show "
+                "that. Run the grader with a Python installed in a folder of its own (such as "
+                "/usr, /opt/python3, ~/.pyenv/versions/X.Y.Z) or a venv made from one"
+            )
+    return sorted(roots, key=len)
+
+
+def _refused_root(root: str) -> str:
+    """Why ``root`` may not be bound into the sandbox (``""`` if it may): ``/``, a home directory,
+    the temporary folder, or a folder holding one of them."""
+    if root == "/":
+        return "the root of the file system"
+    for kind, protected in (("the home directory", _home_dirs()),
+                            ("the temporary folder", [os.path.realpath(tempfile.gettempdir())])):
+        for path in protected:
+            if _within(path, [root]):
+                return f"{kind} {path!r}" if path == root else f"a folder holding {kind} {path!r}"
+    return ""
+
+
+def _home_dirs() -> list[str]:
+    """Resolved home directories: the grader's (``$HOME`` and its account's), root's, and those of
+    login accounts (uid 1000 and up)."""
+    homes = {os.environ.get("HOME", ""), os.path.expanduser("~"), *_account_homes()}
+    return sorted({os.path.realpath(h) for h in homes if h and os.path.isabs(h)})
+
+
+@functools.cache
+def _account_homes() -> tuple[str, ...]:
+    try:
+        import pwd
+    except ImportError:
+        return ()
+    homes = [entry.pw_dir for entry in pwd.getpwall()
+             if entry.pw_uid in (0, os.geteuid()) or 1000 <= entry.pw_uid < 65534]
+    return tuple(homes)
+
+
+def _within(path: str, trees: Sequence[str]) -> bool:
+    """Whether ``path`` is one of ``trees`` or lies below one (all absolute, normalised)."""
+    return any(path == tree or path.startswith(tree.rstrip("/") + "/") for tree in trees)
+
+
+def _resolves_inside(path: str, trees: Sequence[str], links: Mapping[str, str]) -> bool:
+    """Whether ``path`` names a file in the sandbox's root: following each symlink as the kernel
+    would there, where only ``trees``, the folders above them and the top-level ``links`` exist."""
+    parts = [part for part in path.split("/") if part]
+    current, hops = "/", 0
+    while parts:
+        name = parts.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            current = os.path.dirname(current)
+            continue
+        candidate = os.path.join(current, name)
+        if candidate in links:
+            target = links[candidate]
+        elif _within(candidate, trees) and os.path.islink(candidate):
+            target = os.readlink(candidate)
+        elif _within(candidate, trees) or any(_within(tree, [candidate]) for tree in trees):
+            current = candidate
+            continue
+        else:
+            return False
+        hops += 1
+        if hops > 40:
+            return False
+        parts[:0] = [part for part in target.split("/") if part]
+        if target.startswith("/"):
+            current = "/"
+    return _within(current, trees) and os.path.isfile(current)
 
 
 @functools.cache
@@ -692,16 +939,16 @@ _SECCOMP_TABLES: dict[str, dict[str, int]] = {
     "x86_64": {
         "arch": 0xC000003E, "x32_bit": 0x40000000, "clone": 56, "fork": 57, "vfork": 58,
         "clone3": 435, "unshare": 272, "setns": 308, "add_key": 248, "request_key": 249,
-        "keyctl": 250, "pivot_root": 155, "capset": 126,
+        "keyctl": 250, "pivot_root": 155, "capset": 126, "io_uring_setup": 425,
+        "io_uring_enter": 426, "io_uring_register": 427,
     },
     "aarch64": {
         "arch": 0xC00000B7, "clone": 220, "clone3": 435, "unshare": 97, "setns": 268,
         "add_key": 217, "request_key": 218, "keyctl": 219, "pivot_root": 41, "capset": 91,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
     },
 }
 
-_DEV_NODES = ("null", "zero", "full", "random", "urandom")
-_ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime")
 
 
 class _Libc:
@@ -795,7 +1042,10 @@ def _seccomp_program(nr: dict[str, int], deny_processes: bool) -> bytes:
     Refused with ``EPERM``: ``unshare``, ``setns``, the keyring calls, ``clone`` with namespace
     flags, and, when ``deny_processes``, ``fork``/``vfork``/``clone`` without ``CLONE_THREAD``.
     ``clone3`` gets ``ENOSYS`` (its flags sit in memory, out of the filter's reach), which makes
-    glibc fall back to ``clone``. Calls of another ABI (i386, x32 on x86_64) get ``ENOSYS``.
+    glibc fall back to ``clone``. ``io_uring_setup``, ``io_uring_enter`` and ``io_uring_register``
+    get ``ENOSYS``, what a kernel without io_uring answers (libraries then fall back to ordinary
+    I/O): io_uring is a large kernel attack surface and no graded program needs it. Calls of
+    another ABI (i386, x32 on x86_64) get ``ENOSYS``.
     """
     import struct
 
@@ -813,7 +1063,8 @@ def _seccomp_program(nr: dict[str, int], deny_processes: bool) -> bytes:
     op(ld_abs, 0)  # seccomp_data.nr
     if "x32_bit" in nr:
         op(jge, nr["x32_bit"], "enosys", None)
-    op(jeq, nr["clone3"], "enosys", None)
+    for name in ("clone3", "io_uring_setup", "io_uring_enter", "io_uring_register"):
+        op(jeq, nr[name], "enosys", None)
     for name in ("unshare", "setns", "add_key", "request_key", "keyctl"):
         op(jeq, nr[name], "eperm", None)
     if deny_processes:
@@ -1021,7 +1272,7 @@ def _children(pid: int) -> list[int]:
 def _make_cgroup(config: dict[str, Any]) -> str | None:
     """Create the run's child cgroup with its limits, or return ``None`` if that fails."""
     path = os.path.join(config["cgroup_parent"], f"beaconkv-sandbox-{os.getpid()}")
-    tasks = _HELPER_TASKS + (config["max_processes"] if config["max_processes"] > 1 else _MAX_THREADS)
+    tasks = _HELPER_TASKS + (config["max_processes"] if config["max_processes"] > 1 else _MAX_TASKS)
     try:
         os.mkdir(path)
         if config["memory_mb"] is not None:
@@ -1127,17 +1378,14 @@ def _build_root(config: dict[str, Any], libc: _Libc, inside_id: int) -> None:
     new = config["newroot"]
     libc.mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing propagates back to the host
     libc.mount("tmpfs", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
-    for entry in config["mounts"]:
-        kind, path = entry[0], entry[1]
+    for kind, source, target in config["mounts"]:  # see _mount_plan
         if kind == "symlink":
-            os.symlink(entry[2], new + path)
+            os.makedirs(os.path.dirname(new + source), exist_ok=True)
+            os.symlink(target, new + source)
         else:
-            _bind_readonly(libc, path, new + path)
+            # A device node needs nodev off; read-only keeps the host's nodes from being chmod'ed.
+            _bind_readonly(libc, source, new + target, nodev=kind != "device")
     os.makedirs(new + "/dev", exist_ok=True)  # the plan may have made some of these
-    for name in _DEV_NODES:
-        if os.path.exists("/dev/" + name):
-            # nodev must stay off here; read-only keeps the host's nodes from being chmod'ed.
-            _bind_readonly(libc, "/dev/" + name, f"{new}/dev/{name}", nodev=False)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{new}/dev/{name}")
@@ -1150,9 +1398,6 @@ def _build_root(config: dict[str, Any], libc: _Libc, inside_id: int) -> None:
     except OSError:
         pass
     os.makedirs(new + "/etc", exist_ok=True)
-    for name in _ETC_FILES:
-        if os.path.exists("/etc/" + name):
-            _bind_readonly(libc, "/etc/" + name, f"{new}/etc/{name}")
     Path(new, "etc/passwd").write_text(
         f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{_INSIDE_ID}:{_INSIDE_ID}::{_INSIDE_DIR}:/bin/sh\n"
     )
@@ -1171,7 +1416,13 @@ def _build_root(config: dict[str, Any], libc: _Libc, inside_id: int) -> None:
 
 
 def _bind_readonly(libc: _Libc, source: str, target: str, *, nodev: bool = True) -> None:
-    """Bind ``source`` (with its submounts) at ``target`` and make every mount there read-only."""
+    """Bind ``source`` (with its submounts) at ``target`` and make every mount there read-only.
+
+    ``source`` must be a resolved path (the plan's are): a bind follows symlinks, so a link
+    swapped in since the plan was checked would show its target instead.
+    """
+    if os.path.realpath(source) != source:
+        raise OSError(f"bind source {source!r} now resolves to {os.path.realpath(source)!r}")
     if not os.path.lexists(target):
         if os.path.isdir(source):
             os.makedirs(target)
@@ -1209,14 +1460,28 @@ def _mounts_under(path: str) -> list[tuple[str, str]]:
 
 
 def _copy_tree(source: str, target: str, owner: int) -> None:
+    """Copy the run's files into the working folder: folders and regular files only.
+
+    This runs with the helper's access to the host, so a symlink among the files would copy
+    whatever it names into the sandbox: anything that is not a plain file or folder is refused
+    (the grader writes only plain files there; nothing else is expected).
+    """
     for folder, dirs, names in os.walk(source):
         relative = os.path.relpath(folder, source)
         destination = os.path.normpath(os.path.join(target, relative))
+        for name in dirs + names:
+            path = os.path.join(folder, name)
+            mode = os.lstat(path).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise OSError(f"{path!r} is neither a regular file nor a folder (mode {mode:#o}); "
+                              "the sandbox copies only those")
         for name in dirs:
             os.mkdir(os.path.join(destination, name))
             os.chown(os.path.join(destination, name), owner, owner)
         for name in names:
-            shutil.copyfile(os.path.join(folder, name), os.path.join(destination, name))
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as src, open(os.path.join(destination, name), "xb") as dst:
+                shutil.copyfileobj(src, dst)
             os.chown(os.path.join(destination, name), owner, owner)
 
 
@@ -1227,7 +1492,7 @@ def _stage_c(config: dict[str, Any], libc: _Libc, plan: dict[str, Any], status_w
     os.closerange(status_w + 1, 1 << 16)
     processes = config["max_processes"]
     deny_processes = processes == 1 or (plan["memory"] == "rlimit" and not plan["nproc_works"])
-    tasks = processes if processes > 1 else _MAX_THREADS
+    tasks = processes if processes > 1 else _MAX_TASKS
     if plan["single"]:
         tasks += _HELPER_TASKS  # A and B count against the same uid's RLIMIT_NPROC
     cpu = config["cpu_s"]

@@ -4,7 +4,10 @@ The escapes: reading host files (a submission printing one was graded correct), 
 working folder, reading the grader's environment, a ``setsid`` double-forked grandchild outliving
 the grading, killing the grader, signalling an unrelated process, ``ptrace`` of the parent, a fork
 bomb, memory held by forked children beyond the limit, filling the working folder, a socket to a
-127.0.0.1 listener past the Python-level guard, and 100 MB on stdout.
+127.0.0.1 listener past the Python-level guard, and 100 MB on stdout. From issue 39: a grader run
+through a symlinked ``~/bin/python`` showed ``~`` to the program (it read ``~/.ssh/id_rsa``);
+io_uring was allowed; a correct program was stopped at 14 threads at 512 MiB; and the limits on
+what a run hands back to the grader (stdout whole up to the cap, stderr's last MiB).
 
 They are guarantees of the namespace containment, which is the default and which must start on
 every machine where an unprivileged user namespace can be created
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -433,3 +437,251 @@ def test_limits_name_a_bad_value() -> None:
     with pytest.raises(ValueError, match="cgroup_parent='/nonexistent'"):
         run_python({"main.py": "pass"}, "main.py", limits=SandboxLimits(cgroup_parent="/nonexistent"))
 
+
+
+# --- issue 39: the interpreter's prefix through a symlink, threads, io_uring, bounded read-back ---
+
+
+@needs_namespaces
+@pytest.mark.parametrize("target", ["binary", "as_run"])
+def test_a_grader_run_through_a_symlinked_python_shows_no_file_of_the_links_home(
+    tmp_path: Path, target: str
+) -> None:
+    # The escape as found: ~/bin/python -> the interpreter; binding dirname(dirname(sys.executable))
+    # bound ~ and the program read ~/.ssh/id_rsa. "binary": a link to the real interpreter;
+    # "as_run": a link to the interpreter as this test runs (a venv's bin/python is a link chain).
+    home = tmp_path / "home"
+    (home / "bin").mkdir(parents=True)
+    (home / ".ssh").mkdir()
+    key = home / ".ssh" / "id_rsa"
+    key.write_text("-----BEGIN OPENSSH PRIVATE KEY-----")
+    link = home / "bin" / "python"
+    link.symlink_to(os.path.realpath(sys.executable) if target == "binary" else sys.executable)
+    code = attempts({"read_key": f"open({str(key)!r}).read()", "list_home": f"os.listdir({str(home)!r})"})
+    line = run_driver(str(link), code, tmp_path)
+    status, containment, seen = line.removeprefix("grader alive: ").split(" ", 2)
+    assert (status, containment.startswith("namespaces+")) == ("ok", True), line
+    assert json.loads(seen) == {"read_key": "FileNotFoundError", "list_home": "FileNotFoundError"}, line
+
+
+def test_every_bind_source_is_resolved_and_none_is_or_holds_the_links_home(tmp_path: Path, monkeypatch) -> None:
+    home = tmp_path / "home"
+    (home / "bin").mkdir(parents=True)
+    link = home / "bin" / "python"
+    link.symlink_to(os.path.realpath(sys.executable))
+    monkeypatch.setattr(sys, "executable", str(link))
+    mounts, executable = sandbox._mount_plan()
+    binds = [(source, target) for kind, source, target in mounts if kind != "symlink"]
+    assert binds and all(os.path.realpath(source) == source for source, _ in binds), binds
+    assert not any(str(home) == source or str(home).startswith(source + "/") for source, _ in binds), binds
+    assert "/" not in [source for source, _ in binds]
+    real_prefix = os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))
+    assert any(real_prefix == s or real_prefix.startswith(s + "/") for s, _ in binds), (real_prefix, binds)
+    # the link's folder is not shown, so the binary itself is what runs
+    assert executable == os.path.realpath(sys.executable)
+
+
+def test_the_interpreter_path_must_resolve_through_shown_folders_only(tmp_path: Path) -> None:
+    shown, hidden = tmp_path / "shown", tmp_path / "hidden"
+    (shown / "bin").mkdir(parents=True)
+    hidden.mkdir()
+    (shown / "bin" / "python3.x").write_bytes(b"")
+    (hidden / "python3.x").write_bytes(b"")
+    (shown / "bin" / "python3").symlink_to("python3.x")  # relative, inside
+    (shown / "bin" / "python").symlink_to("../bin/./python3")  # through .. and .
+    (shown / "bin" / "out").symlink_to(hidden / "python3.x")  # a hop through a folder not shown
+    (shown / "bin" / "loop").symlink_to("loop")
+    trees = [str(shown)]
+    assert sandbox._resolves_inside(str(shown / "bin" / "python"), trees, {})
+    assert not sandbox._resolves_inside(str(shown / "bin" / "out"), trees, {})
+    assert sandbox._resolves_inside(str(shown / "bin" / "out"), [*trees, str(hidden)], {})
+    assert not sandbox._resolves_inside(str(shown / "bin" / "loop"), trees, {})
+    assert not sandbox._resolves_inside(str(shown / "bin"), trees, {})  # a folder is not a binary
+    # a top-level link the root recreates ("/bin -> usr/bin") resolves like the host's
+    alias = f"/beaconkv-test-alias-{uuid.uuid4().hex}"
+    assert sandbox._resolves_inside(alias + "/python", trees, {alias: str(shown / "bin")})
+    assert not sandbox._resolves_inside(alias + "/python", trees, {})
+
+
+def test_an_installation_that_is_a_home_directory_is_refused(tmp_path: Path, monkeypatch) -> None:
+    home = tmp_path / "home"
+    (home / "bin").mkdir(parents=True)
+    binary = home / "bin" / "python3"  # as `./configure --prefix=$HOME && make install` would put it
+    binary.write_bytes(b"")
+    assert sandbox._refused_root("/") == "the root of the file system"
+    temporary = os.path.realpath(tempfile.gettempdir())
+    assert sandbox._refused_root(temporary) == f"the temporary folder {temporary!r}"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(sys, "executable", str(binary))
+    with pytest.raises(SandboxUnavailable, match=f"installation '{home}'.*is the home directory '{home}'"):
+        sandbox._mount_plan()
+    assert sandbox._refused_root(str(tmp_path)).startswith("a folder holding the home directory")
+    assert sandbox._refused_root(str(home / "opt" / "python")) == ""  # below a home is fine (~/.pyenv/...)
+
+
+def test_etc_and_dev_links_show_nothing_outside_their_folder(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("host only")
+    shown = tmp_path / "usr" / "zoneinfo"
+    shown.mkdir(parents=True)
+    (shown / "UTC").write_text("TZif")
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "plain.conf").write_text("ok")
+    (etc / "localtime").symlink_to(shown / "UTC")  # into a bound tree: kept as the same link
+    (etc / "ld.so.cache").symlink_to(secret)  # out of the folder: left out
+    (etc / "alias").symlink_to(etc / "plain.conf")  # inside the folder: bound from where it resolves
+    (etc / "dangling").symlink_to(tmp_path / "nothing")
+    names = ("plain.conf", "localtime", "ld.so.cache", "alias", "dangling", "absent")
+    plan = sandbox._host_files(str(etc), names, [str(tmp_path / "usr")])
+    assert plan == [
+        ["bind", str(etc / "plain.conf"), str(etc / "plain.conf")],
+        ["symlink", str(etc / "localtime"), str(shown / "UTC")],
+        ["bind", str(etc / "plain.conf"), str(etc / "alias")],
+    ]
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "null").symlink_to("/dev/null")  # a character device, but not in this folder
+    (dev / "zero").write_text("a regular file")
+    assert sandbox._host_files(str(dev), ("null", "zero"), [], devices=True) == []
+    assert sandbox._host_files("/dev", ("null",), [], devices=True) == [["device", "/dev/null", "/dev/null"]]
+
+
+def test_the_working_folder_copy_refuses_symlinks(tmp_path: Path, monkeypatch) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("host only")
+    source, target = tmp_path / "work", tmp_path / "box"
+    (source / "pkg").mkdir(parents=True)
+    target.mkdir()
+    (source / "main.py").write_text("print(1)")
+    (source / "pkg" / "mod.py").write_text("x = 1")
+    monkeypatch.setattr(sandbox.os, "chown", lambda *args: None)  # the owner is the box's, not ours
+    sandbox._copy_tree(str(source), str(target), 0)
+    assert (target / "main.py").read_text() == "print(1)" and (target / "pkg" / "mod.py").read_text() == "x = 1"
+    for name, make in (("leak.txt", lambda p: p.symlink_to(secret)), ("leakdir", lambda p: p.symlink_to(tmp_path))):
+        shutil.rmtree(target)
+        target.mkdir()
+        make(source / "pkg" / name)
+        with pytest.raises(OSError, match=f"{name}' is neither a regular file nor a folder"):
+            sandbox._copy_tree(str(source), str(target), 0)
+        assert not (target / "pkg" / name).exists()
+        (source / "pkg" / name).unlink()
+
+
+THREADS = """\
+import sys, threading
+n = int(input())
+barrier = threading.Barrier(n + 1, timeout=5)  # all n alive at once, then the main thread
+totals = []
+def work(i):
+    barrier.wait()
+    totals.append(sum(j * i for j in range(1000)) + len({j: str(j) for j in range(500)}))
+threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+for t in threads:
+    t.start()
+barrier.wait()
+for t in threads:
+    t.join()
+print(len(totals), sum(totals))
+"""
+
+
+@pytest.mark.parametrize("containment", ["namespaces", "rlimits"])
+def test_a_program_with_64_threads_is_graded_correct_at_512_mib(containment: str) -> None:
+    # 14 threads started (8 MiB stacks and a 64 MiB malloc arena each, all under RLIMIT_AS)
+    if containment == "namespaces" and REFUSED:
+        pytest.skip(f"this kernel creates no unprivileged user namespaces ({REFUSED})")
+    limits = SandboxLimits(timeout_s=10.0, memory_mb=512, containment=containment)
+    expected = f"64 {sum(sum(j * i for j in range(1000)) + 500 for i in range(64))}\n"
+    grade = grade_code(fenced(THREADS), (CodeTest("64\n", expected),), limits=limits)
+    assert grade.correct, grade.detail
+
+
+@needs_namespaces
+def test_the_thread_budget_is_64_threads_and_their_stacks_fit_the_memory() -> None:
+    code = (
+        "import threading, _thread\n"
+        "stop = threading.Event()\n"
+        "started = []\n"
+        "try:\n"
+        "    for _ in range(100):\n"
+        "        t = threading.Thread(target=stop.wait); t.start(); started.append(t)\n"
+        "except RuntimeError:\n"
+        "    pass\n"
+        "stop.set()\n"
+        "for t in started:\n"
+        "    t.join()\n"
+        "print(len(started), _thread.stack_size())\n"
+    )
+    at_512 = run_python({"main.py": code}, "main.py", limits=LIMITS)
+    assert (at_512.status, at_512.stdout) == ("ok", f"64 {4 << 20}\n"), at_512.stderr[-1000:]
+    at_1024 = run_python({"main.py": code}, "main.py", limits=SandboxLimits(timeout_s=5.0, memory_mb=1024))
+    assert (at_1024.status, at_1024.stdout) == ("ok", f"64 {8 << 20}\n"), at_1024.stderr[-1000:]  # glibc's usual
+
+
+@needs_namespaces
+def test_deep_recursion_in_the_main_thread_still_works() -> None:
+    # The graders' header sets a 10**5 recursion limit; only threads' stacks changed, not the main one's.
+    code = "def depth(n):\n    return 0 if n == 0 else depth(n - 1) + 1\nprint(depth(int(input())))"
+    grade = grade_code(fenced(code), (CodeTest("50000\n", "50000\n"),), limits=LIMITS)
+    assert grade.correct, grade.detail
+
+
+@needs_namespaces
+def test_io_uring_is_refused() -> None:
+    code = (
+        "import ctypes, json\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.syscall.restype = ctypes.c_long\n"
+        "params = ctypes.create_string_buffer(120)  # struct io_uring_params\n"
+        "out = {}\n"
+        "for name, args in (('setup', (425, ctypes.c_uint(4), params)),\n"
+        "                   ('enter', (426, -1, 0, 0, 0, None, ctypes.c_size_t(0))),\n"
+        "                   ('register', (427, -1, 0, None, 0))):\n"
+        "    ret = libc.syscall(ctypes.c_long(args[0]), *args[1:])\n"
+        "    out[name] = (ret, ctypes.get_errno())\n"
+        "print(json.dumps(out))\n"
+    )
+    result = run_python({"main.py": code}, "main.py", limits=LIMITS)
+    assert result.status == "ok", result.stderr
+    enosys = 38
+    assert json.loads(result.stdout) == {name: [-1, enosys] for name in ("setup", "enter", "register")}
+
+
+def test_reading_back_stdout_holds_no_more_than_its_size(tmp_path: Path) -> None:
+    import tracemalloc
+
+    stdout = tmp_path / "stdout"
+    stdout.write_bytes(b"1\n" * (2 << 20))  # 4 MiB of short lines
+    tracemalloc.start()
+    try:
+        text, limited = sandbox._read_capped(stdout, 64 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (len(text), limited) == (4 << 20, False)
+    # the bytes and the str once each (read(cap) had allocated the 64 MiB cap up front)
+    assert peak < 9 << 20, f"reading 4 MiB of output held {peak} bytes at once"
+
+
+def test_stderr_is_read_back_as_its_last_mib(tmp_path: Path) -> None:
+    stderr = tmp_path / "stderr"
+    stderr.write_bytes("é".encode() * (1 << 20) + b"x" + b"Traceback: the end\n")
+    text, limited = sandbox._read_tail(stderr, 64 << 20)
+    assert not limited and text.endswith("x" + "Traceback: the end\n")
+    assert len(text.encode()) <= 1 << 20 and "\ufffd" not in text  # cut between characters, not inside one
+    stderr.write_bytes(b"short\n")
+    assert sandbox._read_tail(stderr, 6) == ("short\n", True)
+
+
+@needs_namespaces
+def test_millions_of_short_lines_come_back_whole_and_stderr_stays_small() -> None:
+    code = (
+        "import sys\n"
+        "sys.stdout.write('1\\n' * 3_000_000)\n"
+        "sys.stderr.write('debug\\n' * 3_000_000 + 'last line\\n')\n"
+    )
+    result = run_python({"main.py": code}, "main.py", limits=SandboxLimits(timeout_s=20.0, memory_mb=512))
+    assert result.status == "ok", result.stderr[-500:]
+    assert len(result.stdout) == 6_000_000 and result.stdout.count("\n") == 3_000_000
+    assert len(result.stderr) <= 1 << 20 and result.stderr.endswith("debug\nlast line\n")
