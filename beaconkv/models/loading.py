@@ -12,7 +12,10 @@ The model is then constructed with its parameters on the ``meta`` device (no mem
 buffers for real, each tensor is read from the memory-mapped safetensors file, cast to the
 requested dtype on the requested device and assigned in place of its meta placeholder
 (``load_state_dict(assign=True)``) — so there is never a second full copy of the weights in memory.
-Mismatches between checkpoint and architecture are reported all at once, by name and shape.
+Mismatches between checkpoint and architecture are reported all at once, by name and shape. Every
+tensor is checked to hold finite values as loaded (:func:`refuse_non_finite`): a NaN or infinite weight,
+or one that overflows the requested dtype, is refused naming the tensor and its file — a model with
+one used to load and answer every request with empty text.
 """
 
 from __future__ import annotations
@@ -396,6 +399,38 @@ def _place_buffers(model: nn.Module, device: torch.device) -> None:
             module._buffers[name] = moved[id(buf)]
 
 
+def refuse_non_finite(name: str, tensor: torch.Tensor, file: Path, stored: torch.Tensor | None = None) -> None:
+    """Refuses a weight holding a NaN or an infinity, as it will be used (after the cast to the model's dtype).
+
+    One reduction per tensor: the float32 sum of finite values is finite unless it overflows, so only a
+    tensor whose sum is not finite is looked at element by element (a NaN or infinity always makes the sum
+    non-finite). About as fast as reading the weights once.
+
+    Args:
+        name: The tensor's name (for the message).
+        tensor: The tensor as loaded (cast to the model's dtype, on its device).
+        file: The safetensors file it came from (for the message).
+        stored: The tensor as stored, before the cast, to tell a stored NaN or infinity from a cast that
+            overflowed (None: not told apart).
+
+    Raises:
+        CheckpointError: The tensor holds non-finite values: names it, the file, how many, and the fix.
+    """
+    if not tensor.is_floating_point() or bool(torch.isfinite(tensor.sum(dtype=torch.float32))):
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad == 0:  # the sum overflowed, the values are finite
+        return
+    if stored is not None and stored.dtype != tensor.dtype and bool(torch.isfinite(stored).all()):
+        raise CheckpointError(
+            f"{name} in {file} has {bad} of {tensor.numel()} values beyond the range of {tensor.dtype} (finite as "
+            f"stored in {stored.dtype}); load the model in a wider dtype (bfloat16 or float32).")
+    raise CheckpointError(
+        f"{name} in {file} has {bad} of {tensor.numel()} values that are NaN or infinite; the checkpoint is "
+        "corrupted (or was saved after a diverged training step): restore the file from the checkpoint's source. "
+        "load_model(..., check_finite=False) loads it anyway.")
+
+
 def _refuse_meta_tensors(model: nn.Module, directory: Path) -> None:
     """Raises :class:`MetaTensorError` for a parameter, buffer or tensor attribute still on the meta device."""
     for prefix, module in model.named_modules():
@@ -423,6 +458,7 @@ def load_model(
     attention: Callable[..., nn.Module] = Attention,
     mlp: Callable[[ModelConfig], nn.Module] | None = None,
     norm: Callable[[int, float], nn.Module] = RMSNorm,
+    check_finite: bool = True,
 ) -> CausalLM:
     """Loads a llama / qwen2 / qwen3 causal LM from a directory or a hub id.
 
@@ -433,8 +469,8 @@ def load_model(
     the meta device and every other tensor for real on the CPU: each component's ``__init__`` runs
     once, so the non-persistent buffers of a custom ``attention``, ``mlp`` or ``norm`` hold the values
     it computed, and are moved to ``device`` (keeping their dtype). The checkpoint's tensors are
-    compared with the built model's by name and shape, read, cast and assigned in place of the meta
-    parameters.
+    compared with the built model's by name and shape, read, cast, checked to hold finite values
+    (:func:`refuse_non_finite`) and assigned in place of the meta parameters.
 
     Args:
         path_or_id: Checkpoint directory or hub repo id (``"Qwen/Qwen3-4B"``).
@@ -446,6 +482,8 @@ def load_model(
         attention: Attention class or factory (see :func:`~beaconkv.models.decoder.build_model`).
         mlp: ``mlp(config)`` factory (default SwiGLU).
         norm: ``norm(width, eps)`` factory (default RMSNorm).
+        check_finite: Refuse a weight holding a NaN or an infinity as loaded (one read of the weights; False
+            skips it, for a checkpoint known to be sound on a slow disk).
 
     Returns:
         The model in eval mode.
@@ -455,7 +493,7 @@ def load_model(
         UnsupportedModelError: Unsupported ``model_type`` or setting.
         ConfigFileError: ``config.json`` is not valid JSON, or a field has the wrong type or range.
         CheckpointError: Corrupt safetensors, a non-float dtype, a config that disagrees with the tensors,
-            or missing / unexpected / mis-shaped tensors.
+            missing / unexpected / mis-shaped tensors, or a weight holding a NaN or an infinity.
         MetaTensorError: A component computed a tensor from a parameter in its ``__init__``.
         ValueError: Unknown dtype or device.
     """
@@ -496,7 +534,12 @@ def load_model(
             with safe_open(str(f), framework="pt", device="cpu") as handle:
                 for name in handle.keys():
                     if name in expected:
-                        loaded[name] = handle.get_tensor(name).to(device=dev, dtype=dtype)
+                        stored = handle.get_tensor(name)
+                        loaded[name] = stored.to(device=dev, dtype=dtype)
+                        if check_finite:
+                            refuse_non_finite(name, loaded[name], f, stored)
+        except CheckpointError:
+            raise
         except Exception as err:  # the file changed since its header was read, an I/O error...
             raise CheckpointError(f"cannot read safetensors file {f}: {err}") from err
     model.load_state_dict(loaded, strict=False, assign=True)

@@ -1,5 +1,6 @@
 """Checkpoint loading: sharded files, hub ids, config spellings, a clear error for every bad input (checked
-before the model is built), and the buffers of injected components made for real."""
+before the model is built), the buffers of injected components made for real, and weights that are NaN,
+infinite or beyond the requested dtype refused by name."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import json
 import math
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import beaconkv
@@ -579,3 +583,53 @@ def test_the_parameter_hook_is_gone_after_loading(tiny_models):
     with pytest.raises(ZeroDivisionError):
         beaconkv.load_model(tiny_models["qwen2"][0], attention=lambda **kw: 1 / 0)
     assert not torch.nn.Linear(2, 2).weight.is_meta
+
+
+# ------------------------------------------------------------------------------ weights that are not numbers
+@pytest.mark.parametrize("value,kind", [(float("nan"), "NaN"), (float("inf"), "inf"), (-float("inf"), "-inf")])
+def test_a_non_finite_weight_is_refused_naming_the_tensor_and_the_file(ckpt, value, kind):
+    """A NaN weight used to load, and the server answered every request with an empty 200."""
+    def poison(t):
+        t["model.layers.1.mlp.down_proj.weight"][3, 5] = value
+        t["model.layers.1.mlp.down_proj.weight"][0, 0] = value
+
+    _rewrite(ckpt, poison)
+    with pytest.raises(CheckpointError) as err:
+        beaconkv.load_model(ckpt)
+    message = str(err.value)
+    assert "model.layers.1.mlp.down_proj.weight" in message and str(ckpt / "model.safetensors") in message
+    assert "has 2 of " in message and "NaN or infinite" in message and "check_finite=False" in message
+    model = beaconkv.load_model(ckpt, check_finite=False)  # the documented way out
+    assert not torch.isfinite(model.model.layers[1].mlp.down_proj.weight).all()
+
+
+def test_a_weight_that_overflows_the_requested_dtype_is_refused(ckpt):
+    _rewrite(ckpt, lambda t: t["model.norm.weight"].__setitem__(7, 1e6))  # finite in float32, not in float16
+    assert torch.isfinite(beaconkv.load_model(ckpt).model.norm.weight).all()
+    with pytest.raises(CheckpointError, match=r"model.norm.weight in .* has 1 of 64 values beyond the range of "
+                                              r"torch.float16 \(finite as stored in torch.float32\); load the model in "
+                                              r"a wider dtype"):
+        beaconkv.load_model(ckpt, dtype="float16")
+
+
+def test_finite_weights_whose_sum_overflows_load(ckpt):
+    """The check sums each tensor first; huge but finite values overflow that sum without being refused."""
+    def huge(t):
+        t["model.norm.weight"][:] = 3e38
+
+    _rewrite(ckpt, huge)
+    model = beaconkv.load_model(ckpt)
+    assert (model.model.norm.weight == 3e38).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from([0.0, -1.5, 2.0, 3e38, -3e38, 1e-45, float("nan"), float("inf"), -float("inf")]),
+                min_size=1, max_size=12))
+def test_the_check_refuses_exactly_the_tensors_with_a_non_finite_value(values):
+    tensor = torch.tensor(values, dtype=torch.float32)
+    bad = sum(not math.isfinite(v) for v in values)
+    if bad:
+        with pytest.raises(CheckpointError, match=f"has {bad} of {len(values)} values"):
+            loading.refuse_non_finite("w", tensor, Path("f.safetensors"))
+    else:
+        loading.refuse_non_finite("w", tensor, Path("f.safetensors"))
