@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-long bench fidelity docs clean
+.PHONY: venv kvpress-venv demo test test-long bench fidelity docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,23 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# NVIDIA kvpress, the comparator of `beaconkv accuracy --compare kvpress:...`, in an environment of its own:
+# kvpress 0.5.5 pins transformers < 5.3 while beaconkv[hf] needs >= 5.25, so the two cannot share .venv.
+# beaconkv drives it as a subprocess (.venv-kvpress/bin/python beaconkv/measure/accuracy/kvpress_driver.py);
+# nothing of beaconkv is installed here, and `make test` never needs it. The same pinned CPU torch first
+# (kvpress asks for torch>=2.3.1,<3, which it satisfies, so pip keeps it); then kvpress and transformers at the
+# versions tested (transformers 5.2.0 is the newest kvpress 0.5.5 allows).
+KVPRESS_VENV := .venv-kvpress
+KVPRESS_STAMP := $(KVPRESS_VENV)/.installed
+$(KVPRESS_STAMP):
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(KVPRESS_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(KVPRESS_VENV)/bin/python -m pip install -q kvpress==0.5.5 transformers==5.2.0 torch==2.13.0
+	touch $(KVPRESS_STAMP)
+
+kvpress-venv: $(KVPRESS_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/beaconkv demo
