@@ -46,6 +46,7 @@ from .policies import (
     SnapKV,
     StreamingLLM,
     TOVA,
+    TriAttention,
     Uniform,
     make_policy,
     policy_names,
@@ -68,6 +69,7 @@ __all__ = [
     # policies: by class, or by registry name
     "BeaconKV", "EventBeaconKV", "EvictionPolicy", "FullKV", "GroupBeaconKV", "H2O", "InitialRecent", "MemoryBeaconKV",
     "RKV", "RPC", "SnapKV", "StreamingLLM", "ExpectedAttention", "KeyDiff", "KNorm", "LazyEviction", "TOVA",
+    "TriAttention",
     "make_policy", "policy_names", "register_policy",
     # when a policy evicts: the schedules
     "AtBudget", "Buffered", "Periodic", "Schedule",

@@ -39,6 +39,7 @@ from .snapkv import SnapKV
 from .state import EvictionRecord, PolicyState, PolicyStats
 from .streaming import StreamingLLM
 from .tova import TOVA
+from .triattention import TriAttention
 from .window import RecentWindowPolicy
 
 __all__ = [
@@ -46,7 +47,7 @@ __all__ = [
     "BeaconKV", "EventBeaconKV", "FullKV", "GroupBeaconKV", "H2O", "InitialRecent", "MemoryBeaconKV", "RKV", "RPC",
     "SnapKV", "StreamingLLM",
     # rivals from the literature beyond the paper's baselines (docs/spec.md, §5)
-    "ExpectedAttention", "KeyDiff", "KNorm", "LazyEviction", "TOVA",
+    "ExpectedAttention", "KeyDiff", "KNorm", "LazyEviction", "TOVA", "TriAttention",
     # writing a policy: the base classes, its state and records, what it sees of a layer, the query samplers
     "ContinualFPS", "EvictionPolicy", "EvictionRecord", "FPS", "KMeans", "NaiveFPS", "ObservedLayer", "PolicyState",
     "PolicyStats", "QueryRing", "QuerySampler", "RecentWindowPolicy",

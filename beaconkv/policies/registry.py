@@ -41,6 +41,7 @@ from .rpc import RPC
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
 from .tova import TOVA
+from .triattention import TriAttention
 
 _ENTRIES: dict[str, tuple[type[EvictionPolicy], dict[str, Any]]] = {}
 _ALIASES = {"fullkv": "full", "beaconkv": "beacon", "streamingllm": "streaming", "r-kv": "rkv",
@@ -159,7 +160,7 @@ def _check_parameters(name: str, cls: type[EvictionPolicy], kwargs: dict[str, An
 
 
 for _cls in (FullKV, BeaconKV, InitialRecent, SnapKV, RPC, RKV, H2O, StreamingLLM, GroupBeaconKV, EventBeaconKV,
-             MemoryBeaconKV, ExpectedAttention, TOVA, KeyDiff, KNorm, LazyEviction):
+             MemoryBeaconKV, ExpectedAttention, TOVA, KeyDiff, KNorm, LazyEviction, TriAttention):
     register_policy(_cls.name, _cls)
 #: Variants beyond the paper that are a setting of BeaconKV (docs/benchmarks.md, "Beyond the paper").
 register_policy("beacon_lse", BeaconKV, aggregation="logsumexp", temperature=0.02)
@@ -177,7 +178,7 @@ def make_policy(name: str, budget: int | None = None, **kwargs: Any) -> Eviction
     Args:
         name: ``full``, ``beacon``, ``initial_recent``, ``snapkv``, ``rpc``, ``rkv``, ``h2o``,
             ``streaming``, ``expected_attention``, ``tova``, ``keydiff``, ``knorm``, ``lazy_eviction``,
-            a registered name, or a class of one's own as ``module:Class`` or
+            ``triattention``, a registered name, or a class of one's own as ``module:Class`` or
             ``path/to/file.py:Class`` (:func:`load_policy_class`).
         budget: ``B_max`` (ignored by ``full``).
         **kwargs: The policy's parameters (``n_recent``, ``n_prefix``, ``n_beacon`` ...), over the
