@@ -26,7 +26,7 @@ NEW_TOKENS = 64
 CASES = {"prompt_prefix": {}, "int_prefix": {"n_prefix": 16}}
 POLICIES = ("full", "beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming",
             # recorded after the refactor, with the code that introduced them
-            "expected_attention", "tova", "keydiff", "knorm", "lazy_eviction")
+            "expected_attention", "tova", "keydiff", "knorm", "lazy_eviction", "triattention")
 BUDGET, N_RECENT = 32, 4
 
 

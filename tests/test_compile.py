@@ -101,7 +101,7 @@ def test_a_user_policy_with_its_own_state_compiles_with_no_extra_code(llama, con
 
 
 @pytest.mark.parametrize("name", ["beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming",
-                                  "expected_attention", "tova", "keydiff", "knorm", "lazy_eviction"])
+                                  "expected_attention", "tova", "keydiff", "knorm", "lazy_eviction", "triattention"])
 def test_every_policy_traces_fullgraph_with_the_same_tokens(llama, name):
     eager, compiled = _both(llama, make_policy(name, budget=BUDGET, telemetry=True), TRACE)
     assert compiled.token_ids == eager.token_ids

@@ -17,7 +17,8 @@ from .driver import drive, drive_hand
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SCORERS = ["beacon", "snapkv", "h2o", "tova", "expected_attention", "keydiff", "knorm", "lazy_eviction", "rkv"]
+SCORERS = ["beacon", "snapkv", "h2o", "tova", "expected_attention", "keydiff", "knorm", "lazy_eviction", "rkv",
+           "triattention"]
 
 
 @st.composite

@@ -26,7 +26,7 @@ from .driver import drive
 
 POLICIES = ["beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming", "beacon_group", "beacon_event",
             "beacon_lse", "beacon_evictable", "beacon_memory", "beacon_lse_memory", "beacon_mean",
-            "expected_attention", "tova", "keydiff", "knorm", "lazy_eviction"]
+            "expected_attention", "tova", "keydiff", "knorm", "lazy_eviction", "triattention"]
 BEACONS = {"beacon", "initial_recent", "beacon_group", "beacon_event", "beacon_lse", "beacon_evictable", "beacon_memory",
            "beacon_lse_memory", "beacon_mean"}
 

@@ -1,19 +1,21 @@
-"""The rivals beyond the paper's baselines (ExpectedAttention, TOVA, KeyDiff, KNorm, LazyEviction): each
+"""The rivals beyond the paper's baselines (ExpectedAttention, TOVA, KeyDiff, KNorm, LazyEviction, TriAttention): each
 score pinned against a reference written out here in float64 on the hand-built cache of
 :mod:`tests.policies.test_baselines`, one hand-checkable eviction each, and their settings' errors.
 
 The references do not reuse the library's helpers: RoPE, the averaged rotation (a matrix built from
-rotated basis vectors), the Gaussian statistics, softmax and the recurrence bookkeeping are spelled out
-per head and per slot.
+rotated basis vectors), the Gaussian statistics, softmax, the recurrence bookkeeping and TriAttention's
+trigonometric series (in complex numbers, from the un-rotated keys) are spelled out per head and per slot.
 """
 
 from __future__ import annotations
 
+import cmath
 import math
 
 import pytest
 import torch
 
+from beaconkv.cache import KVCache
 from beaconkv.models.config import RopeConfig
 from beaconkv.models.rope import RotaryEmbedding
 from beaconkv.policies import make_policy
@@ -23,8 +25,9 @@ from beaconkv.policies.keydiff import KeyDiff
 from beaconkv.policies.knorm import KNorm
 from beaconkv.policies.lazy_eviction import MRI, SEEN, LazyEviction
 from beaconkv.policies.tova import TOVA
+from beaconkv.policies.triattention import TriAttention, geometric_offsets, rotary_gain
 
-from .driver import drive_hand, dull_keys, kept, tap
+from .driver import IdentityRope, bind, drive_hand, dull_keys, kept, tap
 from .test_baselines import CAP, GROUP, HEADS, N_KV, PROMPTS, D, check_rows, hand_cache, pool_ref, rope_ref, softmax_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -319,6 +322,179 @@ def test_lazy_eviction_evicts_the_overdue_tokens_and_moves_its_records():
     assert moved == [records[p] for p in kept(layer, 0)]
 
 
+# ------------------------------------------------------------------- TriAttention
+def triattention_ref(prompt_q, window, centres, max_offset, offset_reduce, norm_term, trig, normalize, group_reduce):
+    """TriAttention's score as the paper writes it: per frequency pair a complex number, the key un-rotated
+    from its position, ``|c_f| |k_f| cos(w_f (t + 1 + D - p) + phi_f)`` summed over the pairs, plus the
+    dispersion-weighted key norms; z-scored per query head over the evictable slots; reduced over the group."""
+    half = D // 2
+    omega = [1.0 / 10000.0 ** (2 * f / D) for f in range(half)]
+    offsets = [2**i for i in range(max_offset.bit_length())]
+
+    def pairs(x):
+        return [complex(float(x[f]), float(x[f + half])) for f in range(half)]
+
+    def queries(layer, b, h, t):
+        ring = layer.ring_buffer
+        if centres == "window":
+            held = [int(ring.query_pos[b, s]) for s in range(ring.window)]
+            return [ring.queries[b, h, s] for s, p in enumerate(held) if t - window < p <= t]
+        # the prompt's queries (observed at prefill), then every ring query after the prompt
+        prompt = [prompt_q[b, h, i] for i in range(PROMPTS[b])]
+        return prompt + [ring.queries[b, h, s] for s in range(ring.window)
+                         if PROMPTS[b] <= int(ring.query_pos[b, s]) <= t]
+
+    def head_scores(layer, b, h, t):
+        kv = h // GROUP
+        qs = [pairs(q.double()) for q in queries(layer, b, h, t)]
+        c = [sum(q[f] for q in qs) / len(qs) for f in range(half)]
+        mean_abs = [sum(abs(q[f]) for q in qs) / len(qs) for f in range(half)]
+        weight = [mean_abs[f] - abs(c[f]) if norm_term == "dispersion" else mean_abs[f] for f in range(half)]
+        out = []
+        for j in range(CAP):
+            p = int(layer.cache.pos[b, kv, j])
+            k = pairs(rope_ref(layer.cache.k[b, kv, j].double(), -p))  # the key before RoPE
+            s = 0.0
+            if trig:
+                at = []
+                for delta in offsets:
+                    dist = t + 1 + delta - p
+                    phase = [cmath.phase(c[f] * k[f].conjugate()) for f in range(half)]  # angle from k_f to c_f
+                    at.append(sum(abs(c[f]) * abs(k[f]) * math.cos(omega[f] * dist + phase[f]) for f in range(half)))
+                s += sum(at) / len(at) if offset_reduce == "mean" else max(at)
+            if norm_term != "none":
+                s += sum(weight[f] * abs(k[f]) for f in range(half))
+            out.append(s)
+        if normalize:
+            cand = [j for j in range(CAP) if int(layer.cache.pos[b, kv, j]) >= PROMPTS[b]]
+            mu = sum(out[j] for j in cand) / len(cand)
+            sd = max(math.sqrt(sum((out[j] - mu) ** 2 for j in cand) / len(cand)), 1e-6)
+            out = [(out[j] - mu) / sd if j in cand else 0.0 for j in range(CAP)]
+        return out
+
+    def ref(layer, b, kv, t):
+        per = [head_scores(layer, b, h, t) for h in range(kv * GROUP, (kv + 1) * GROUP)]
+        return [max(col) if group_reduce == "max" else sum(col) / len(col) for col in zip(*per)]
+    return ref
+
+
+TRI_DEFAULTS = dict(window=4, centres="running", max_offset=65536, offset_reduce="mean", norm_term="dispersion",
+                    trig=True, normalize=True, group_reduce="max")
+
+
+@pytest.mark.parametrize("settings", [
+    dict(),
+    dict(max_offset=8, offset_reduce="max", norm_term="magnitude", group_reduce="mean"),
+    dict(max_offset=5, normalize=False, norm_term="none"),
+    dict(trig=False, normalize=False),
+    dict(centres="window", max_offset=32),
+], ids=["default", "max-magnitude-mean", "trig-only-raw", "norm-only-raw", "window-centres"])
+def test_triattention_score_matches_the_trigonometric_series(settings):
+    s = {**TRI_DEFAULTS, **settings}
+    policy = TriAttention(16, n_recent=2, **s)
+    layer, rows, t = hand_cache(policy)
+    # the prompts' queries as a prefill hands them over (right-padded: row 1's third is padding, never counted)
+    prompt_q = torch.randn(2, HEADS, 3, D, generator=torch.Generator().manual_seed(7)) * 2 + 1
+    valid = torch.arange(3)[None] < torch.tensor(PROMPTS)[:, None]
+    policy.observe_prefill(layer.state, layer.layer_state, prompt_q, torch.arange(3).expand(2, 3), valid,
+                           torch.arange(2))
+    check_rows(policy, layer, rows, t, triattention_ref(prompt_q, **s), atol=1e-5)
+    # a second eviction at the same step counts no query twice
+    check_rows(policy, layer, rows, t, triattention_ref(prompt_q, **s), atol=1e-5)
+
+
+def test_triattention_sums_every_query_exactly_once():
+    """Prompt (ragged), then decode queries through the ring: at every step the running sums hold exactly the
+    queries up to ``folded``, and no query older than the ring has been left out."""
+    policy = TriAttention(16, n_recent=2, window=4)
+    g = torch.Generator().manual_seed(11)
+    prompts, steps, H = [5, 9], 40, 4
+    cache = KVCache.allocate(1, 2, 2, H, policy.capacity(prompts, steps), D)
+    state = bind(policy, cache, RotaryEmbedding(D), prompts, max_tokens=9 + steps)
+    store, layer = cache[0], state.observers[0]
+    seen = torch.randn(2, H, 9 + steps, D, generator=g)  # the query each row produces at each position
+    L = max(prompts)
+    valid = torch.arange(L)[None] < torch.tensor(prompts)[:, None]
+    positions = torch.arange(L).expand(2, L)
+    store.write_prefill(torch.randn(2, 2, L, D, generator=g), torch.randn(2, 2, L, D, generator=g), positions, valid)
+    layer.prefill(seen[:, :, :L], positions, valid)
+    policy.after_prefill(state, [0, 1])
+    centres = state.layers[0]
+    for s in range(steps):
+        pos = torch.tensor(prompts) + s
+        store.append(torch.randn(2, 2, 1, D, generator=g), torch.randn(2, 2, 1, D, generator=g), pos)
+        layer.decode(seen[torch.arange(2), :, pos][:, :, None], pos, None)
+        policy.after_decode_step(state)
+        for b in range(2):
+            folded = int(centres.folded[b])
+            assert state.t[b] - policy.window <= folded <= state.t[b]  # the ring still holds the rest
+            assert float(centres.count[b]) == folded + 1
+            torch.testing.assert_close(centres.total[b], seen[b, :, : folded + 1].sum(1))
+            torch.testing.assert_close(centres.magnitude[b], (seen[b, :, : folded + 1, :2] ** 2
+                                                              + seen[b, :, : folded + 1, 2:] ** 2).sqrt().sum(1))
+    assert min(state.stats.evictions) >= 2
+    # a new prompt in row 0 starts its sums afresh; a chunk that continues it adds to them
+    layer.rows(torch.tensor([0])).prefill(seen[:1, :, :3], torch.arange(3)[None], torch.ones(1, 3, dtype=torch.bool))
+    policy.observe_chunk(state, centres, seen[:1, :, 3:5], torch.arange(3, 5)[None], torch.ones(1, 2, dtype=torch.bool),
+                         torch.tensor([0]))
+    assert float(centres.count[0]) == 5 and int(centres.folded[0]) == 4
+    torch.testing.assert_close(centres.total[0], seen[0, :, :5].sum(1))
+
+
+def test_triattention_keeps_the_keys_the_query_centre_points_at():
+    # every query e0 (the identity rope): the centre is e0 and no query strays from it (no norm term), so the
+    # keys along -e0 score lowest
+    policy = TriAttention(16, window=8, n_recent=2)
+    layer = drive_hand(policy, 2, dull_keys({0: {5, 9}, 1: {3, 12}}), steps=16)
+    assert layer.state.stats.evictions == [1]
+    assert kept(layer, 0) == [p for p in range(18) if p not in (5, 9)]
+    assert kept(layer, 1) == [p for p in range(18) if p not in (3, 12)]
+
+
+def test_triattention_norm_term_keeps_large_keys_where_the_queries_scatter():
+    # queries alternate +e1 / -e1 (centre 0 in the first pair: it says nothing there), so only the norm term
+    # speaks: the keys largest in that pair stay
+    e = torch.eye(8)
+
+    def keys_at(p, h):
+        return e[1] * (1.0 + (7 * p) % 17)  # distinct norms for positions 0..16
+
+    policy = TriAttention(16, window=8, n_recent=2)
+    cap = policy.capacity([2], 16)
+    cache = KVCache.allocate(1, 1, 1, 1, cap, 8)
+    state = bind(policy, cache, IdentityRope(), [2], max_tokens=18)
+    store, layer = cache[0], state.observers[0]
+
+    def query(p):
+        return (e[1] if p % 2 else -e[1]).view(1, 1, 1, 8)
+
+    store.write_prefill(torch.stack([keys_at(p, 0) for p in range(2)])[None, None].expand(1, 1, 2, 8).contiguous(),
+                        torch.zeros(1, 1, 2, 8), torch.tensor([[0, 1]]), torch.ones(1, 2, dtype=torch.bool))
+    layer.prefill(torch.cat([query(0), query(1)], 2), torch.tensor([[0, 1]]), torch.ones(1, 2, dtype=torch.bool))
+    policy.after_prefill(state, [0])
+    for p in range(2, 18):
+        store.append(keys_at(p, 0).view(1, 1, 1, 8), torch.zeros(1, 1, 1, 8), torch.tensor([p]))
+        layer.decode(query(p), torch.tensor([p]), None)
+        policy.after_decode_step(state)
+    assert state.stats.evictions == [1]
+    largest = sorted(range(2, 16), key=lambda p: -float(keys_at(p, 0).norm()))[:12]
+    assert kept(layer, 0) == sorted({0, 1, 16, 17, *largest})
+
+
+@pytest.mark.parametrize("rope, gain", [
+    (RopeConfig(theta=1e4), 1.0),
+    (RopeConfig(theta=5e5, rope_type="llama3", factor=8.0,
+                params={"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), 1.0),
+    (RopeConfig(theta=1e6, rope_type="yarn", factor=4.0, params={"original_max_position_embeddings": 64}),
+     0.1 * math.log(4.0) + 1.0),
+], ids=["default", "llama3", "yarn"])
+def test_the_rotary_gain_is_the_models_cos_sin_scale(rope, gain):
+    got = rotary_gain(RotaryEmbedding(16, rope), torch.tensor([0, 5, 40000]), 16)
+    torch.testing.assert_close(got, torch.full((3, 8), gain), atol=1e-6, rtol=1e-6)
+    assert geometric_offsets(65536, "cpu").tolist() == [2**i for i in range(17)]
+    assert geometric_offsets(1, "cpu").tolist() == [1] and geometric_offsets(12, "cpu").tolist() == [1, 2, 4, 8]
+
+
 # ------------------------------------------------------------------- validation
 @pytest.mark.parametrize("make, match", [
     (lambda: ExpectedAttention(128, n_future_positions=0), "n_future_positions=0"),
@@ -334,6 +510,16 @@ def test_lazy_eviction_evicts_the_overdue_tokens_and_moves_its_records():
     (lambda: KeyDiff(128, n_recent=-1), "n_recent=-1"),
     (lambda: make_policy("knorm", budget=128, window=4), "no parameter window"),
     (lambda: make_policy("keydiff", budget=128, threshold=0.5), "no parameter threshold"),
+    (lambda: TriAttention(128, window=0), "window=0"),
+    (lambda: TriAttention(128, max_offset=0), "max_offset=0"),
+    (lambda: TriAttention(128, max_offset=2.5), "max_offset=2.5"),
+    (lambda: TriAttention(128, centres="calibrated"), "centres='calibrated'"),
+    (lambda: TriAttention(128, offset_reduce="median"), "offset_reduce='median'"),
+    (lambda: TriAttention(128, norm_term="mlr"), "norm_term='mlr'"),
+    (lambda: TriAttention(128, group_reduce="sum"), "group_reduce='sum'"),
+    (lambda: TriAttention(128, normalize="yes"), "normalize='yes'"),
+    (lambda: TriAttention(128, trig=1), "trig=1"),
+    (lambda: TriAttention(128, trig=False, norm_term="none"), "nothing to score"),
 ])
 def test_bad_settings_are_rejected_with_the_value(make, match):
     with pytest.raises(PolicyConfigError, match=match):
@@ -342,6 +528,6 @@ def test_bad_settings_are_rejected_with_the_value(make, match):
 
 def test_the_rivals_are_registered_under_their_short_names():
     for name, cls in [("expected_attention", ExpectedAttention), ("tova", TOVA), ("keydiff", KeyDiff),
-                      ("knorm", KNorm), ("lazy_eviction", LazyEviction)]:
+                      ("knorm", KNorm), ("lazy_eviction", LazyEviction), ("triattention", TriAttention)]:
         policy = make_policy(name, budget=128)
         assert type(policy) is cls and policy.name == name

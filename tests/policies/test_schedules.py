@@ -98,7 +98,7 @@ def test_beacons_freeze_n_recent_tokens_before_the_schedules_next_eviction():
 
 # ------------------------------------------------------------------- any scorer under any schedule
 SCORERS = ["beacon", "snapkv", "rpc", "rkv", "h2o", "streaming", "beacon_event", "beacon_memory", "expected_attention",
-           "tova", "keydiff", "knorm", "lazy_eviction"]
+           "tova", "keydiff", "knorm", "lazy_eviction", "triattention"]
 
 
 @st.composite

@@ -18,7 +18,7 @@ from beaconkv.storage.int8 import QMAX, dequantize, quantize
 from ..policies.driver import drive
 
 POLICIES = ["beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming", "expected_attention", "tova",
-            "keydiff", "knorm", "lazy_eviction"]
+            "keydiff", "knorm", "lazy_eviction", "triattention"]
 
 
 def _filled(cls, B=2, H=2, C=12, D=8, seed=0, **kw):
