@@ -265,6 +265,16 @@ def add_max_batch_argument(parser: Any) -> None:
 
 
 @_shared
+def add_prefill_chunk_argument(parser: Any) -> None:
+    """``--prefill-chunk N``: prefill long prompts N tokens at a time, evicting between chunks."""
+    parser.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
+                        help="prefill prompts longer than N tokens in chunks of N, the policy evicting between "
+                             "chunks, so a cache slot holds at most n_prefix + budget + N tokens instead of the "
+                             "whole prompt (with an int n_prefix, e.g. --policy-arg n_prefix=4; default: whole "
+                             "prompts)")
+
+
+@_shared
 def add_top_k_argument(parser: Any) -> None:
     """``--top-k``: sampling from the k likeliest tokens only."""
     parser.add_argument("--top-k", type=int, default=0, metavar="K",

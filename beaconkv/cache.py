@@ -29,6 +29,12 @@ cache-like class implements it: :class:`LayerKVCache`, the prefill view :class:`
 2. decode: :meth:`LayerKVCache.append` with the step's key and value, then :meth:`LayerKVCache.attend`
    with the step's (rotated) query: attention over every filled slot, with its weights when asked.
 
+A cache that also implements :class:`ChunkedLayerCache` takes a **chunk**: several tokens per row
+written after what the row holds (:meth:`LayerKVCache.write_chunk`), then attended causally over every
+filled slot (:meth:`LayerKVCache.attend_chunk`) — a prompt prefilled in chunks with evictions in
+between, or a question asked on a cache that holds a compressed context. Chunks are eager work,
+outside the static-shape decode step.
+
 Both decode calls have static shapes, write in place and never read the device from the host, so the
 whole decode step compiles into one graph (and a CUDA graph).
 
@@ -41,6 +47,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import BeaconKVError
@@ -73,6 +80,20 @@ class LayerCache(Protocol):
         """Attention of the step's rotated queries ``(batch, heads, 1, head_dim)`` over every filled slot,
         after :meth:`append`: ``(out (batch, heads, 1, head_dim), weights)``, the weights
         ``(batch, kv_heads, group, capacity)`` when ``need_weights`` (else None)."""
+
+
+@runtime_checkable
+class ChunkedLayerCache(LayerCache, Protocol):
+    """A :class:`LayerCache` that also takes chunks: several tokens per row after what each row holds."""
+
+    def write_chunk(self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor) -> None:
+        """Writes right-padded chunks after each row's filled slots: keys ``(b, kv_heads, L, head_dim)``,
+        values, positions ``(b, L)`` and ``valid`` ``(b, L)`` (False on padding)."""
+
+    def attend_chunk(self, q: Tensor, positions: Tensor, scale: float) -> Tensor:
+        """Attention of a chunk's rotated queries ``(b, heads, L, head_dim)`` at ``positions`` ``(b, L)``
+        over every filled slot holding a position no later than the query's (after
+        :meth:`write_chunk`): ``(b, heads, L, head_dim)``."""
 
 
 @runtime_checkable
@@ -175,6 +196,59 @@ class LayerKVCache(nn.Module):
         index = slot.view(B, 1, 1).expand(B, self.n_kv_heads, 1)
         scatter_(self.pos, 2, index, held.view(B, 1, 1).expand(B, self.n_kv_heads, 1))
         self.length.add_(self.active.long())
+
+    def write_chunk(self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor, rows: Tensor | None = None) -> None:
+        """Writes (right-padded) chunks after the filled slots of some rows: slots ``length .. length+n-1``.
+
+        Eager work (it reads the rows' lengths on the host to check the capacity). A padded token
+        writes an empty slot (position ``-1``) past the row's new length.
+
+        Args:
+            k: Post-RoPE keys ``(b, kv_heads, L, head_dim)``.
+            v: Values, same shape.
+            positions: ``(b, L)`` absolute positions (after every position the row holds).
+            valid: ``(b, L)`` bool, False on padding.
+            rows: ``(b,)`` the rows written (None: all, ``b == batch``).
+
+        Raises:
+            CacheCapacityError: A row's length plus ``L`` exceeds the capacity.
+        """
+        b, _, L, _ = k.shape
+        rows_t = torch.arange(b, device=k.device) if rows is None else rows
+        start = self.length[rows_t]  # (b,)
+        room = int((start + L).max())
+        if room > self.capacity:
+            raise CacheCapacityError(
+                f"a chunk of {L} tokens after {room - L} held slots does not fit a cache of capacity "
+                f"{self.capacity}; size the cache for the chunk (the policy's capacity(..., prefill_chunk=)) "
+                "or use a smaller chunk."
+            )
+        slots = start[:, None] + torch.arange(L, device=k.device)  # (b, L)
+        self.storage.write(rows_t, slots, k, v)
+        held = torch.where(valid, positions, -1)[:, None, :].expand(b, self.n_kv_heads, L)
+        self.pos[rows_t[:, None, None], torch.arange(self.n_kv_heads, device=k.device)[None, :, None],
+                 slots[:, None, :]] = held
+        self.length[rows_t] = start + valid.sum(-1)
+
+    def attend_chunk(self, q: Tensor, positions: Tensor, scale: float, rows: Tensor | None = None) -> Tensor:
+        """Attention of a chunk's queries over every filled slot at or before each query's position.
+
+        Args:
+            q: ``(b, heads, L, head_dim)`` post-RoPE queries.
+            positions: ``(b, L)`` their positions.
+            scale: Logit scale.
+            rows: ``(b,)`` the rows (None: all).
+
+        Returns:
+            ``(b, heads, L, head_dim)``.
+        """
+        b, H, L, d = q.shape
+        keys, values, pos = self.keys(rows), self.values(rows), self.positions(rows)  # (b, kv, cap, ...)
+        visible = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= positions[:, None, :, None])  # (b, kv, L, cap)
+        qg = q.view(b, self.n_kv_heads, self.group, L, d)  # b (kv g) L d -> b kv g L d
+        out = F.scaled_dot_product_attention(qg, keys[:, :, None], values[:, :, None],
+                                             attn_mask=visible[:, :, None], scale=scale)
+        return out.reshape(b, H, L, d)
 
     def last_slot(self) -> Tensor:
         """``(batch,)`` the slot the latest :meth:`append` wrote in each row (an idle row's: the one it
@@ -344,7 +418,7 @@ class KVCache(nn.Module):
 
 
 class LayerRows:
-    """One layer's cache seen through some of its rows: ``write_prefill`` writes only those.
+    """One layer's cache seen through some of its rows: prefills and chunks write only those.
 
     Args:
         layer: The layer cache.
@@ -357,6 +431,14 @@ class LayerRows:
     def write_prefill(self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor) -> None:
         """Writes ``b`` prompts into this view's rows (see :meth:`LayerKVCache.write_prefill`)."""
         self.layer.write_prefill(k, v, positions, valid, rows=self.rows)
+
+    def write_chunk(self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor) -> None:
+        """Writes ``b`` chunks after this view's rows' slots (see :meth:`LayerKVCache.write_chunk`)."""
+        self.layer.write_chunk(k, v, positions, valid, rows=self.rows)
+
+    def attend_chunk(self, q: Tensor, positions: Tensor, scale: float) -> Tensor:
+        """Chunk attention over this view's rows (see :meth:`LayerKVCache.attend_chunk`)."""
+        return self.layer.attend_chunk(q, positions, scale, rows=self.rows)
 
     def append(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
         """Refused: a rows view only prefills; decode steps run every row of the whole cache.
@@ -376,8 +458,8 @@ class LayerRows:
 
 
 def _decode_refused() -> CacheCapacityError:
-    return CacheCapacityError("a cache's rows view (KVCache.rows) only prefills; decode through the whole KVCache "
-                              "(every row decodes, idle rows write nothing that counts).")
+    return CacheCapacityError("a cache's rows view (KVCache.rows) only prefills and takes chunks; decode through "
+                              "the whole KVCache (every row decodes, idle rows write nothing that counts).")
 
 
 class CacheRows:

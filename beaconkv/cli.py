@@ -34,6 +34,7 @@ from .arguments import (
     add_backend_argument,
     add_kernels_argument,
     add_kv_storage_argument,
+    add_prefill_chunk_argument,
     add_model_arguments,
     add_n_beacon_argument,
     add_policy_arguments,
@@ -113,6 +114,7 @@ def _generation_arguments(p: argparse.ArgumentParser, default_tokens: int, *, de
                         "code: it checks that a model compiles, at eager speed)")
     add_kv_storage_argument(p)
     add_kernels_argument(p)
+    add_prefill_chunk_argument(p)
     add_policy_arguments(p)
     add_n_beacon_argument(p)
 
@@ -170,7 +172,7 @@ def run_generation(args: argparse.Namespace, prompts: list[str]) -> int:
         model, tok, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, policy=policy, chat=not args.raw, stream=stream,
         eos_token_ids=[] if args.ignore_eos else None, kv_storage=args.kv_storage, compile=_compile_setting(args),
-        kernels=args.kernels,
+        kernels=args.kernels, prefill_chunk=args.prefill_chunk,
     )
     if single:
         print()
@@ -291,7 +293,7 @@ def _demo_generation(model: CausalLM, tok: Tokenizer, args: argparse.Namespace, 
         model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, policy=policy, chat=not args.raw, stream=stream, on_step=on_step,
         eos_token_ids=[] if args.ignore_eos else None, kv_storage=args.kv_storage, compile=_compile_setting(args),
-        kernels=args.kernels,
+        kernels=args.kernels, prefill_chunk=args.prefill_chunk,
     )
     if show:
         print(flush=True)

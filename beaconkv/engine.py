@@ -250,6 +250,11 @@ class Engine:
         seed: Seeds the generators of requests submitted without a seed (request ``i`` gets ``seed + i``).
         on_step: Called as ``on_step(step, session)`` after every decode step, once the policy's work is
             done (measurement hooks).
+        prefill_chunk: Prefill prompts longer than this in chunks of this many tokens, the policy evicting
+            between chunks (:meth:`~beaconkv.session.Session.prefill`), so a slot holds at most
+            ``n_prefix + budget + prefill_chunk`` tokens per KV head instead of the whole prompt (an int
+            ``n_prefix`` makes the prompt evictable; with the whole prompt protected nothing changes).
+            None: whole prompts.
 
     Attributes:
         prepared: What :func:`~beaconkv.preparation.prepare_model` made of ``model`` for this pool.
@@ -276,9 +281,12 @@ class Engine:
         max_queue: int | None = None,
         seed: int = 0,
         on_step: Callable[[int, Session], None] | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         for name, value in (("max_batch", max_batch), ("prompt_capacity", prompt_capacity),
-                            ("max_new_tokens", max_new_tokens)):
+                            ("max_new_tokens", max_new_tokens), ("prefill_chunk", prefill_chunk)):
+            if value is None and name == "prefill_chunk":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EngineError(f"{name}={value!r} must be an int >= 1.")
         limit = model.config.max_position_embeddings
@@ -290,9 +298,10 @@ class Engine:
         self.model, self.tokenizer = self.prepared.model, tokenizer
         self.policy = policy if policy is not None else FullKV()
         self.max_batch, self.prompt_capacity, self.max_new_tokens = max_batch, prompt_capacity, max_new_tokens
+        self.prefill_chunk = prefill_chunk
         self.session = Session.prepared(
             self.prepared, self.policy, batch=max_batch,
-            capacity=self.policy.capacity([prompt_capacity], max_new_tokens),
+            capacity=self.policy.capacity([prompt_capacity], max_new_tokens, prefill_chunk=prefill_chunk),
             max_tokens=prompt_capacity + max_new_tokens, kv_storage=kv_storage,
         )
         self.device = self.session.device
@@ -482,7 +491,7 @@ class Engine:
             return
         try:
             prefilled = [(runs, self.session.prefill([list(map(int, r.request.prompt)) for r in runs],
-                                                     rows=[r.slot for r in runs]))]
+                                                     rows=[r.slot for r in runs], chunk=self.prefill_chunk))]
         except Exception as err:
             if len(runs) == 1:
                 self._fail(runs[0], f"its prefill failed ({type(err).__name__}: {err})", events, err)
@@ -491,7 +500,7 @@ class Engine:
             for run in runs:
                 try:
                     prefilled.append(([run], self.session.prefill([list(map(int, run.request.prompt))],
-                                                                  rows=[run.slot])))
+                                                                  rows=[run.slot], chunk=self.prefill_chunk)))
                 except Exception as one:
                     self._fail(run, f"its prefill failed ({type(one).__name__}: {one})", events, one)
         admitted = time.perf_counter()

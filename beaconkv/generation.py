@@ -235,6 +235,7 @@ def generate(
     max_batch: int | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     kernels: str = "auto",
+    prefill_chunk: int | None = None,
 ) -> GenerationOutput:
     """Generates continuations for a batch of prompts.
 
@@ -281,13 +282,19 @@ def generate(
             oneDNN-prepacked fp32 linears; see :func:`~beaconkv.models.cpu_linear.choose_kernels`),
             ``"model"``, ``"packed"`` or ``"bf16w"``.
         chat_template_kwargs: Options of the chat template, e.g. ``{"enable_thinking": False}`` for Qwen3.
+        prefill_chunk: Prefill prompts longer than this in chunks of this many tokens, the policy evicting
+            between chunks: the cache then holds at most ``n_prefix + budget + prefill_chunk`` slots per KV
+            head (``stats.cache_capacity``) instead of the whole prompt, when the policy's ``n_prefix`` is an
+            int (with the whole prompt protected, every prompt token stays). None (default): whole prompts,
+            as before.
 
     Returns:
         The new tokens, texts, finish reasons and stats.
 
     Raises:
         PromptError: Empty or malformed prompt, or a prompt longer than the model's maximum positions.
-        ValueError: Bad sampling parameters, a non-int or non-positive ``max_new_tokens``/``max_batch``,
+        ValueError: Bad sampling parameters, a non-int or non-positive ``max_new_tokens``/``max_batch``/
+            ``prefill_chunk``,
             ``capacity_tokens < max_new_tokens``, or a token id outside the vocabulary.
         beaconkv.policies.PolicyConfigError: ``policy`` is not a policy object (a name must go through
             :func:`~beaconkv.policies.make_policy`).
@@ -323,6 +330,7 @@ def generate(
             model, tokenizer, policy=policy, max_batch=min(max_batch or len(ids), len(ids)),
             prompt_capacity=max(lengths), max_new_tokens=capacity, kv_storage=kv_storage, cache_dtype=cache_dtype,
             compile=compile, seed=0 if seed is None else seed, on_step=on_step, kernels=kernels,
+            prefill_chunk=prefill_chunk,
         )
         eos = list(eos_token_ids) if eos_token_ids is not None else None
         requests = [Request(p, max_new_tokens, params, eos_token_ids=eos, stop=stop_strings,

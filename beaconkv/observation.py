@@ -11,7 +11,8 @@ The calls, made by :class:`~beaconkv.models.attention.Attention` (a replacement 
 same ones):
 
 1. prefill: :meth:`LayerObserver.prefill` with the prompt's pre-RoPE queries, after the cache's
-   ``write_prefill``;
+   ``write_prefill`` (and :meth:`ChunkedLayerObserver.chunk` for each chunk that continues it, after the
+   cache's ``write_chunk``);
 2. decode: the cache's ``attend`` computes weights only when :attr:`LayerObserver.needs_weights`; then
    :meth:`LayerObserver.decode` with the step's pre-RoPE query, positions and those weights.
 
@@ -45,6 +46,17 @@ class LayerObserver(Protocol):
         ``(batch, heads, 1, head_dim)``, positions ``(batch,)`` and the attention weights
         ``(batch, kv_heads, group, capacity)`` (None unless :attr:`needs_weights`). Inside the decode
         step: device ops only, static shapes, no host reads."""
+
+
+@runtime_checkable
+class ChunkedLayerObserver(LayerObserver, Protocol):
+    """A :class:`LayerObserver` that also sees chunks (what a ``chunk=True`` forward calls; see
+    :class:`~beaconkv.cache.ChunkedLayerCache`)."""
+
+    def chunk(self, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
+        """Sees a chunk that continues what the cache holds (a prompt prefilled in chunks, a question on a
+        compressed context): pre-RoPE queries ``(b, heads, L, head_dim)``, positions ``(b, L)`` and
+        ``valid`` ``(b, L)``, after the cache's ``write_chunk``."""
 
 
 @runtime_checkable

@@ -210,27 +210,91 @@ class Session:
         self.policy.admit(self.state, list(rows), list(prompt_lengths))
 
     @torch.inference_mode()
-    def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int] | None = None) -> Tensor:
+    def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int] | None = None,
+                chunk: int | None = None) -> Tensor:
         """Admits ``rows`` (default: all, in order), writes their prompts and lets the policy act.
+
+        With ``chunk=N`` a prompt longer than ``N`` tokens is written ``N`` tokens at a time: the first
+        chunk as a prefill, each next one through :meth:`extend` (attending over what the cache holds),
+        and the policy evicts after every chunk, so the cache never holds the whole prompt (size it with
+        the policy's ``capacity(..., prefill_chunk=N)``: ``n_prefix + budget + N`` slots under the
+        default schedule). Prompts of at most ``N`` tokens are prefilled exactly as without ``chunk``.
 
         Args:
             prompts: Token ids per row (ragged).
             rows: Which rows of the cache they go to.
+            chunk: Tokens per prefill chunk (None: whole prompts).
 
         Returns:
             ``(len(prompts), vocab)`` float32 logits of each prompt's last token.
+
+        Raises:
+            ValueError: ``chunk`` is not a positive int.
         """
         rows = list(range(len(prompts))) if rows is None else list(rows)
-        self.admit(rows, [len(p) for p in prompts])
+        lengths = [len(p) for p in prompts]
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk={chunk!r} must be a positive int (tokens per prefill chunk) or None.")
+        if chunk is None or max(lengths) <= chunk:
+            self.admit(rows, lengths)
+            logits = self._write(prompts, rows, start=None)
+            self.after_prefill(rows)
+            return logits
+        firsts = [p[:chunk] for p in prompts]
+        self.policy.admit(self.state, rows, lengths, written=[len(f) for f in firsts])
+        logits = self._write(firsts, rows, start=None)
+        self.after_prefill(rows)
+        for begin in range(chunk, max(lengths), chunk):
+            more = [i for i, n in enumerate(lengths) if n > begin]
+            logits[more] = self.extend([prompts[i][begin:begin + chunk] for i in more], [rows[i] for i in more])
+        return logits
+
+    @torch.inference_mode()
+    def extend(self, tokens: Sequence[Sequence[int]], rows: Sequence[int]) -> Tensor:
+        """Writes more tokens in some live rows at once, after what each holds, and lets the policy act.
+
+        The tokens take the positions after each row's newest and attend over every token the cache
+        still holds (:meth:`~beaconkv.models.CausalLM.extend`); the policy sees their queries
+        (:meth:`~beaconkv.policies.EvictionPolicy.observe_chunk`) and evicts the rows now due
+        (:meth:`~beaconkv.policies.EvictionPolicy.after_chunk`). A prompt's later chunks come this way,
+        and so does a question asked on a cache that holds a compressed context (kvpress's protocol:
+        compress the context without the question, then ask).
+
+        Args:
+            tokens: Token ids per row (ragged; each at least one token, at most the room left).
+            rows: The rows, admitted and prefilled.
+
+        Returns:
+            ``(len(tokens), vocab)`` float32 logits of each row's last new token.
+
+        Raises:
+            ValueError: An empty token list, or a row that is not live.
+        """
+        rows = list(rows)
+        if not tokens or any(len(t) == 0 for t in tokens) or len(tokens) != len(rows):
+            raise ValueError(f"extend needs one non-empty token list per row; got {len(tokens)} lists for "
+                             f"{len(rows)} rows (lengths {[len(t) for t in tokens]}).")
+        idle = [b for b in rows if not self.state.live[b]]
+        if idle:
+            raise ValueError(f"rows {idle} are not live: prefill them first (extend continues a row's tokens).")
+        logits = self._write(tokens, rows, start=[self.state.t[b] + 1 for b in rows])
+        t0 = time.perf_counter()
+        self.policy.after_chunk(self.state, rows, [len(t) for t in tokens])
+        self.policy_s += time.perf_counter() - t0
+        return logits
+
+    def _write(self, prompts: Sequence[Sequence[int]], rows: list[int], start: list[int] | None) -> Tensor:
+        """Runs the model over ``prompts`` into ``rows``: a prefill (``start`` None) or a chunk after each
+        row's tokens (starting at positions ``start``); returns each row's last-token logits."""
         ids, valid = pad_prompts(prompts, self.device)
         if rows == list(range(self.batch)):
             target, observers = self.cache, self.state.observers
         else:
             rows_t = self.state.index(rows)
             target, observers = self.cache.rows(rows_t), [o.rows(rows_t) for o in self.state.observers]
-        logits = self.model.prefill(ids, valid, target, observers)
-        self.after_prefill(rows)
-        return logits
+        if start is None:
+            return self.model.prefill(ids, valid, target, observers)
+        return self.model.extend(ids, valid, torch.tensor(start, device=self.device), target, observers)
 
     def after_prefill(self, rows: Sequence[int]) -> None:
         """The policy's work once the prompts of ``rows`` are written (:meth:`prefill` calls it; a caller

@@ -257,10 +257,10 @@ def test_a_failing_request_fails_alone_and_the_others_finish_identically(llama, 
         if fault == "prefill" and with_fault:
             real = engine.session.prefill
 
-            def prefill(prompts, rows=None):
+            def prefill(prompts, rows=None, **kwargs):
                 if bad_prompt in prompts:
                     raise RuntimeError("out of memory in the prefill")
-                return real(prompts, rows)
+                return real(prompts, rows, **kwargs)
 
             monkeypatch.setattr(engine.session, "prefill", prefill)
         done = {}

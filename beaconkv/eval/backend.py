@@ -119,8 +119,8 @@ class CoreEvalEngine(Engine):
         prompt = [completion.prompt_tokens]
         written = max(len(completion.token_ids) - 1, 0)
         return CacheFigures(
-            peak_tokens=self.policy.capacity(prompt, written),
-            capacity=self.policy.capacity(prompt, self.max_new_tokens),
+            peak_tokens=self.policy.capacity(prompt, written, prefill_chunk=self.prefill_chunk),
+            capacity=self.policy.capacity(prompt, self.max_new_tokens, prefill_chunk=self.prefill_chunk),
         )
 
 
@@ -132,11 +132,12 @@ class GenerationBackend:
         tokenizer: Has ``apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``
             and ``encode_prompt(text) -> list[int]`` (like :class:`beaconkv.tokenizer.Tokenizer`).
         make_engine: ``make_engine(*, policy, max_batch, prompt_capacity, max_new_tokens,
-            kv_storage, compile)`` returning an :class:`EvalEngine` with ``max_batch`` slots for
+            kv_storage, compile, prefill_chunk)`` returning an :class:`EvalEngine` with ``max_batch`` slots for
             prompts of up to ``prompt_capacity`` tokens; its ``max_new_tokens`` may be lower than
             asked when the model has no room for more positions. ``policy`` is one policy object
             (or ``None`` for FullKV) shared by every slot; ``kv_storage`` is ``"dense"`` or
-            ``"int8"``; ``compile`` compiles the decode step.
+            ``"int8"``; ``compile`` compiles the decode step; ``prefill_chunk`` (an int or ``None``)
+            prefills longer prompts in chunks with evictions in between.
     """
 
     tokenizer: Any
@@ -213,6 +214,7 @@ def make_core_engine(
     max_new_tokens: int,
     kv_storage: str | type[KVStorage] = "dense",
     compile: bool = False,
+    prefill_chunk: int | None = None,
 ) -> CoreEvalEngine:
     """Make the engine of a run with the core library (what :func:`load_backend`'s backend calls).
 
@@ -228,6 +230,7 @@ def make_core_engine(
         max_new_tokens: New tokens a request may generate.
         kv_storage: ``"dense"``, ``"int8"`` or a storage class.
         compile: Compile the decode step and the policy's device work.
+        prefill_chunk: Prefill longer prompts in chunks of this many tokens (None: whole prompts).
 
     Returns:
         The engine.
@@ -259,6 +262,7 @@ def make_core_engine(
         max_new_tokens=max_new_tokens,
         kv_storage=kv_storage,
         compile=compile,
+        prefill_chunk=prefill_chunk,
     )
 
 

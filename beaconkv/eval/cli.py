@@ -19,6 +19,7 @@ from beaconkv.arguments import (
     add_device_argument,
     add_dtype_argument,
     add_kv_storage_argument,
+    add_prefill_chunk_argument,
     add_max_batch_argument,
     add_model_argument,
     add_policy_arguments,
@@ -97,6 +98,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     add_policy_arguments(policy)
     policy.add_argument("--tag", help="label of a policy variant in file names and the table")
     add_kv_storage_argument(policy)
+    add_prefill_chunk_argument(policy)
 
     gen = parser.add_argument_group("sampling (defaults: the paper's)")
     gen.add_argument(
@@ -184,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         dtype=args.dtype,
         device=args.device,
         kv_storage=args.kv_storage,
+        prefill_chunk=args.prefill_chunk,
         compile=args.compile,
         backend=args.backend,
         max_batch=args.max_batch,

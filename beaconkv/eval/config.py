@@ -87,6 +87,8 @@ class EvalConfig:
             values densely and decodes eagerly, so it takes neither ``kv_storage="int8"`` nor ``compile``).
             Used when :func:`~beaconkv.eval.runner.run_eval` loads the model itself; a resume setting
             (the backends draw samples from different generators).
+        prefill_chunk: Prefill prompts longer than this in chunks, the policy evicting between them
+            (see :class:`~beaconkv.engine.Engine`); ``None``: whole prompts. A resume setting.
         enable_thinking: Passed to the chat template when not ``None``.
         save_token_ids: Store the generated token ids in each record.
         code_timeout_s: Wall time limit per code test.
@@ -128,6 +130,7 @@ class EvalConfig:
     kv_storage: str = "dense"
     compile: bool = False
     backend: str = "native"
+    prefill_chunk: int | None = None
     enable_thinking: bool | None = None
     save_token_ids: bool = False
     code_timeout_s: float = 6.0
@@ -143,6 +146,7 @@ class EvalConfig:
         _at_least_one("max_new_tokens", "--max-new-tokens", self.max_new_tokens)
         _at_least_one("max_batch", "--max-batch", self.max_batch)
         _at_least_one("samples", "--samples", self.samples)
+        _at_least_one("prefill_chunk", "--prefill-chunk", self.prefill_chunk)
         if self.limit is not None and self.limit < 1:
             raise ValueError(
                 f"limit={self.limit} must be >= 1; pass --limit N with N >= 1, or leave --limit "
@@ -254,4 +258,5 @@ class EvalConfig:
             "enable_thinking": self.enable_thinking,
             "kv_storage": self.kv_storage,
             "backend": self.backend,
+            "prefill_chunk": self.prefill_chunk,
         }

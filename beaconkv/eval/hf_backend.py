@@ -45,10 +45,14 @@ class HFEvalEngine:
     """
 
     def __init__(self, model: Any, tokenizer: Tokenizer, *, policy: EvictionPolicy | None, max_batch: int,
-                 prompt_capacity: int, max_new_tokens: int, kv_storage: str = "dense", compile: bool = False) -> None:
+                 prompt_capacity: int, max_new_tokens: int, kv_storage: str = "dense", compile: bool = False,
+                 prefill_chunk: int | None = None) -> None:
         if kv_storage != "dense" or compile:
             raise ValueError("the transformers backend stores keys and values densely and decodes eagerly; "
                              "run it with kv_storage='dense' and compile=False (--kv-storage dense, no --compile).")
+        if prefill_chunk is not None:
+            raise ValueError("the transformers backend prefills whole prompts; drop --prefill-chunk "
+                             f"{prefill_chunk} (the native backend prefills in chunks).")
         limit = model.config.get_text_config(decoder=True).max_position_embeddings
         if limit - prompt_capacity < 1:
             raise ValueError(f"the longest prompt has {prompt_capacity} tokens and the model's "

@@ -70,7 +70,7 @@ __all__ = [
 ResultKey = tuple[str, str, int, str, "int | None"]
 """The resume key of a record: (benchmark, problem id, sample index, policy, budget); see :func:`record_key`."""
 
-LEGACY_SETTINGS: Mapping[str, Any] = {"kv_storage": "dense", "backend": "native"}
+LEGACY_SETTINGS: Mapping[str, Any] = {"kv_storage": "dense", "backend": "native", "prefill_chunk": None}
 """Settings added after results files were first written, with the value older records implied.
 
 A record whose ``settings`` lack one of these keys is read as if it held this value, so results

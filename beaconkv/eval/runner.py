@@ -315,6 +315,7 @@ def _generate(
         max_new_tokens=config.max_new_tokens,
         kv_storage=config.kv_storage,
         compile=config.compile,
+        prefill_chunk=config.prefill_chunk,
     )
     sampling = SamplingParams(config.temperature, config.top_p, config.top_k)
     requests = [

@@ -6,6 +6,11 @@ Three call modes share one module:
 * prefill: the same attention over the prompt, then the keys (post-RoPE) and values are written to
   the layer's cache (:meth:`~beaconkv.cache.LayerKVCache.write_prefill`) and the pre-RoPE queries
   handed to the layer's observer (:meth:`~beaconkv.observation.LayerObserver.prefill`);
+* chunk (``chunk=True``): several tokens per row after what the cache holds — a prompt prefilled in
+  chunks, or a question on a compressed context: written after the row's filled slots
+  (:meth:`~beaconkv.cache.LayerKVCache.write_chunk`), attended causally over every filled slot
+  (:meth:`~beaconkv.cache.LayerKVCache.attend_chunk`), the pre-RoPE queries handed to the observer
+  (:meth:`~beaconkv.observation.ChunkedLayerObserver.chunk`);
 * decode: one token per sequence, appended to the cache in place
   (:meth:`~beaconkv.cache.LayerKVCache.append`), attention over every filled slot
   (:meth:`~beaconkv.cache.LayerKVCache.attend`, with its weights when the observer needs them), then
@@ -99,6 +104,7 @@ class Attention(nn.Module):
         cache: LayerCache | None = None,
         decode: bool = False,
         observer: LayerObserver | None = None,
+        chunk: bool = False,
     ) -> Tensor:
         """Attends ``x`` of shape ``(batch, seq, hidden)``.
 
@@ -110,13 +116,28 @@ class Attention(nn.Module):
             cache: The layer's cache (any :class:`~beaconkv.cache.LayerCache`); None for a plain forward.
             decode: ``seq == 1`` decode step against ``cache`` (else prefill/plain).
             observer: Who observes this layer (a policy; see :mod:`beaconkv.observation`); None: nobody.
+            chunk: ``x`` continues what ``cache`` holds (a :class:`~beaconkv.cache.ChunkedLayerCache`):
+                written after its slots and attended over all of them.
 
         Returns:
             ``(batch, seq, hidden)``.
+
+        Raises:
+            TypeError: ``chunk`` with a cache that takes no chunks.
         """
         B, L, _ = x.shape
         q_pre, q, k, v = self.project(x, rotary)
-        if decode:
+        if chunk:
+            if not hasattr(cache, "write_chunk"):
+                raise TypeError(f"a chunk needs a cache with write_chunk/attend_chunk (a ChunkedLayerCache); "
+                                f"{type(cache).__name__} takes whole prompts only: prefill without prefill_chunk.")
+            if valid is None:
+                valid = torch.ones(B, L, dtype=torch.bool, device=x.device)
+            cache.write_chunk(k, v, positions, valid)
+            if observer is not None:
+                observer.chunk(q_pre, positions, valid)
+            out = cache.attend_chunk(q, positions, self.scale)
+        elif decode:
             assert cache is not None, "decode needs a cache"
             cache.append(k, v, positions[:, 0])
             out, weights = cache.attend(q, self.scale, need_weights=observer is not None and observer.needs_weights)

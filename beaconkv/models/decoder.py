@@ -46,11 +46,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = post_attention_layernorm
 
     def forward(self, x: Tensor, positions: Tensor, rotary: Rotary, valid: Tensor | None, cache: LayerCache | None,
-                decode: bool, observer: LayerObserver | None = None) -> Tensor:
-        """Applies the block (see :meth:`Attention.forward` for the arguments). ``observer`` is passed on only
-        when there is one, so an attention written before observers existed still runs unobserved."""
+                decode: bool, observer: LayerObserver | None = None, chunk: bool = False) -> Tensor:
+        """Applies the block (see :meth:`Attention.forward` for the arguments). ``observer`` and ``chunk`` are
+        passed on only when set, so an attention written before they existed still runs without them."""
         h = self.input_layernorm(x)
-        if observer is None:
+        if chunk:
+            x = x + self.self_attn(h, positions, rotary, valid, cache, decode, observer=observer, chunk=True)
+        elif observer is None:
             x = x + self.self_attn(h, positions, rotary, valid, cache, decode)
         else:
             x = x + self.self_attn(h, positions, rotary, valid, cache, decode, observer=observer)
@@ -88,13 +90,16 @@ class DecoderModel(nn.Module):
         cache: ModelCache | None = None,
         decode: bool = False,
         observers: ModelObserver | None = None,
+        chunk: bool = False,
     ) -> Tensor:
         """Returns the final hidden states ``(batch, seq, hidden)``; layer ``i`` writes ``cache[i]`` and
-        reports to ``observers[i]`` (see :mod:`beaconkv.observation`)."""
+        reports to ``observers[i]`` (see :mod:`beaconkv.observation`); ``chunk``: ``input_ids`` continue
+        what the cache holds (see :meth:`CausalLM.extend`)."""
         x, rotary = self.embed(input_ids, positions)  # the tables once for all layers
+        extra = {"chunk": True} if chunk else {}
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, rotary, valid, None if cache is None else cache[i], decode,
-                      None if observers is None else observers[i])
+                      None if observers is None else observers[i], **extra)
         return self.norm(x)
 
 
@@ -167,6 +172,32 @@ class CausalLM(nn.Module):
         last = valid.sum(-1) - 1  # (batch,)
         h_last = hidden[torch.arange(B, device=hidden.device), last]
         return self.lm_head(h_last).float()
+
+    def extend(self, input_ids: Tensor, valid: Tensor, start: Tensor, cache: ModelCache,
+               observers: ModelObserver | None = None) -> Tensor:
+        """Runs right-padded chunks that continue what ``cache`` holds; returns each row's last-token logits.
+
+        Row ``b``'s tokens take positions ``start[b], start[b] + 1, ...``; each layer writes them after
+        the row's filled slots and attends over every filled slot at or before each token's position
+        (:class:`~beaconkv.cache.ChunkedLayerCache`), whatever an eviction left there. Used for a prompt
+        prefilled in chunks (policies evict between them) and for a question asked on a cache that
+        holds a compressed context.
+
+        Args:
+            input_ids: ``(batch, L)`` token ids, right-padded.
+            valid: ``(batch, L)`` bool, False on padding.
+            start: ``(batch,)`` the position of each row's first token (one past its newest).
+            cache: The cache (a :class:`~beaconkv.cache.ChunkedLayerCache` per layer).
+            observers: Who observes each layer's chunk queries (see :meth:`prefill`).
+
+        Returns:
+            ``(batch, vocab)`` float32 logits at each row's last real token.
+        """
+        B, L = input_ids.shape
+        positions = start[:, None] + torch.arange(L, device=input_ids.device)
+        hidden = self.model(input_ids, positions, valid, cache, observers=observers, chunk=True)
+        last = valid.sum(-1) - 1
+        return self.lm_head(hidden[torch.arange(B, device=hidden.device), last]).float()
 
     def decode_step(self, tokens: Tensor, positions: Tensor, cache: ModelCache,
                     observers: ModelObserver | None = None, regions: bool = False) -> Tensor:

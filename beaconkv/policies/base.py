@@ -73,8 +73,8 @@ class EvictionPolicy:
     """Base class of every KV-cache eviction policy (a dataclass of settings).
 
     Subclasses implement :meth:`score` (and optionally the hooks :meth:`init_state`,
-    :meth:`observe_prefill`, :meth:`observe_attention`, :meth:`on_decode`, :meth:`after_evict`,
-    :meth:`after_count_change`). Everything about budgets, protection, scheduling and compaction is
+    :meth:`observe_prefill`, :meth:`observe_chunk`, :meth:`observe_attention`, :meth:`on_chunk_done`,
+    :meth:`on_decode`, :meth:`after_evict`, :meth:`after_count_change`). Everything about budgets, protection, scheduling and compaction is
     shared. A subclass declared ``@dataclass`` adds its parameters as fields (after ``budget``,
     before the keyword-only ones) and validates them in :meth:`validate`; every policy takes the
     keyword-only ``n_prefix``, ``n_recent``, ``ratio``, ``schedule``, ``allocation`` and ``telemetry``
@@ -169,6 +169,11 @@ class EvictionPolicy:
         """Whether the policy overrides :meth:`observe_prefill` (its observers then run it at every prefill)."""
         return type(self).observe_prefill is not EvictionPolicy.observe_prefill
 
+    @property
+    def observes_chunk(self) -> bool:
+        """Whether the policy overrides :meth:`observe_chunk` (its observers then run it at every chunk)."""
+        return type(self).observe_chunk is not EvictionPolicy.observe_chunk
+
     def query_window(self, max_tokens: int) -> int:
         """How many recent pre-RoPE queries per head each layer's observer keeps in its ring (0: none).
 
@@ -198,19 +203,60 @@ class EvictionPolicy:
         ``new_tokens`` more: the schedule's peak (``budget`` under the default schedule)."""
         return self.schedule.peak(self, count, new_tokens)
 
-    def capacity(self, prompt_lengths: list[int], new_tokens: int) -> int:
+    def capacity(self, prompt_lengths: list[int], new_tokens: int, prefill_chunk: int | None = None) -> int:
         """Cache slots needed per (sequence, KV head) for prompts of these lengths and ``new_tokens``.
 
         A policy that never evicts needs every token; others the most a sequence ever holds:
-        its prefix plus :meth:`peak_evictable`, never more than the whole sequence and never less
-        than the prompt.
+        its prefix plus :meth:`peak_evictable`, never more than the whole sequence. With
+        ``prefill_chunk=N`` a longer prompt is prefilled ``N`` tokens at a time with evictions in between
+        (:meth:`after_chunk`), so the cache need not hold the whole prompt: at most ``n_prefix + budget +
+        N`` slots under the default schedule (the evictable count stays below the budget before each
+        chunk). Without it the cache holds at least the longest prompt.
+
+        Args:
+            prompt_lengths: Prompt length of each sequence.
+            new_tokens: Tokens each may add.
+            prefill_chunk: Tokens per prefill chunk (None: whole prompts).
         """
         longest = max(L + new_tokens for L in prompt_lengths)
         if not self.evicts:
             return longest
         prefixes = self.prefix_lengths(prompt_lengths)
-        peak = max(p + self.peak_evictable(L - p, new_tokens) for L, p in zip(prompt_lengths, prefixes))
-        return max(min(peak, longest), max(prompt_lengths))
+        if prefill_chunk is None:
+            peak = max(p + self.peak_evictable(L - p, new_tokens) for L, p in zip(prompt_lengths, prefixes))
+            return max(min(peak, longest), max(prompt_lengths))
+        peak = max(self._chunked_peak(L, p, prefill_chunk, new_tokens) for L, p in zip(prompt_lengths, prefixes))
+        return min(peak, longest)
+
+    def _chunked_peak(self, length: int, prefix: int, chunk: int, new_tokens: int) -> int:
+        """Most slots a sequence holds when its prompt of ``length`` tokens (``prefix`` protected) comes in
+        chunks of ``chunk`` tokens with an eviction check after each chunk, then ``new_tokens`` decode steps
+        with a check after each: host arithmetic through the schedule, as the session runs it."""
+        count = settled = peak = start = 0
+        for end in [*range(chunk, length, chunk), length]:
+            count += max(end - max(start, prefix), 0)  # the chunk's tokens past the prefix
+            peak = max(peak, min(end, prefix) + count)
+            count, settled = self._after_check(count, settled)
+            start = end
+        return max(peak, prefix + self._simulated_peak(count, settled, new_tokens))
+
+    def _after_check(self, count: int, settled: int) -> tuple[int, int]:
+        """``(count, settled)`` after an eviction check: evicted when ``count`` reached the evict point."""
+        if count < self.schedule.evict_at(self, settled):
+            return count, settled
+        kept = self.schedule.keep(self, count, settled)
+        return kept + self.allocation.extra_slots(self, kept), self.schedule.settled_after(self, kept)
+
+    def _simulated_peak(self, count: int, settled: int, new_tokens: int) -> int:
+        """The most evictable tokens held from ``count`` (``settled`` of them settled) over ``new_tokens``
+        decode steps, stepped from one eviction to the next."""
+        peak = count
+        while new_tokens > 0:
+            step = min(new_tokens, max(self.schedule.evict_at(self, settled) - count, 1))
+            count, new_tokens = count + step, new_tokens - step
+            peak = max(peak, count)
+            count, settled = self._after_check(count, settled)
+        return peak
 
     # ------------------------------------------------------------------------------- state
     def create_state(self, cache: KVCache, rope: Any, executor: Executor | None = None, *,
@@ -249,28 +295,53 @@ class EvictionPolicy:
         each observer's :meth:`~beaconkv.policies.observer.ObservedLayer.register_slot_buffer`). Default: nothing."""
 
     # ------------------------------------------------------------------------------- lifecycle
-    def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int]) -> None:
+    def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int],
+              written: list[int] | None = None) -> None:
         """Starts some rows before their prompts are written (their previous state is forgotten).
 
         Args:
             state: The state.
             rows: Row indices.
-            prompt_lengths: Real prompt length of each.
+            prompt_lengths: Real prompt length of each (the protected prefix is computed from it).
+            written: Tokens of each prompt the first prefill writes (a prompt prefilled in chunks: its
+                first chunk; the others come through :meth:`after_chunk`). None: the whole prompt.
         """
         prefixes = self.prefix_lengths(prompt_lengths)
-        for b, L, p in zip(rows, prompt_lengths, prefixes):
-            state.count[b], state.t[b], state.prefix[b], state.live[b] = L - p, L - 1, p, True
+        written = list(prompt_lengths) if written is None else list(written)
+        for b, n, p in zip(rows, written, prefixes):
+            state.count[b], state.t[b], state.prefix[b], state.live[b] = max(n - p, 0), n - 1, p, True
             state.settled[b] = 0
             state.stats.evictions[b] = 0
         rows_t = state.index(rows)
-        state.t_dev[rows_t] = state.to_device([L - 1 for L in prompt_lengths])
+        state.t_dev[rows_t] = state.to_device([n - 1 for n in written])
         state.prefix_dev[rows_t] = state.to_device(prefixes)
         state.active[rows_t] = True
-        state.peak_tokens = max(state.peak_tokens, max(prompt_lengths))
+        state.peak_tokens = max(state.peak_tokens, max(written))
 
     def after_prefill(self, state: PolicyState, rows: list[int]) -> None:
         """Host bookkeeping after the prompts of ``rows`` were written; evicts over-budget rows."""
         self.on_prefill_done(state, rows)
+        self.evict_due(state, rows)
+        self.after_count_change(state, rows)
+
+    def after_chunk(self, state: PolicyState, rows: list[int], n_new: list[int]) -> None:
+        """Host bookkeeping after a chunk wrote ``n_new[i]`` more tokens in row ``rows[i]`` (a prompt
+        prefilled in chunks, a question asked on a compressed context); evicts the rows now due, so
+        the next chunk finds room (:meth:`capacity` with ``prefill_chunk``).
+
+        Args:
+            state: The state.
+            rows: The rows the chunk wrote.
+            n_new: Tokens written in each.
+        """
+        for b, n in zip(rows, n_new):
+            before = state.t[b] + 1
+            state.count[b] += max(before + n - max(before, state.prefix[b]), 0)
+            state.t[b] += n
+            state.peak_tokens = max(state.peak_tokens, min(state.t[b] + 1, state.prefix[b]) + state.count[b])
+        rows_t = state.index(rows)
+        state.t_dev[rows_t] += state.to_device(n_new)
+        self.on_chunk_done(state, rows, n_new)
         self.evict_due(state, rows)
         self.after_count_change(state, rows)
 
@@ -400,6 +471,15 @@ class EvictionPolicy:
             rows: ``(b,)`` the rows being prefilled.
         """
 
+    def observe_chunk(self, state: PolicyState, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
+                      rows: Tensor) -> None:
+        """Sees one layer's queries of a chunk that continues the rows' tokens (a prompt prefilled in
+        chunks, a question on a compressed context). Default: nothing (the query ring takes them).
+
+        A device function, like :meth:`observe_prefill`; the arguments are the same, ``positions``
+        starting one past each row's newest.
+        """
+
     def observe_attention(self, state: PolicyState, layer_state: Any, weights: Tensor) -> None:
         """Sees one layer's decode attention weights ``(batch, kv_heads, group, capacity)`` (with
         ``track_attention = True``), from the layer's observer after this step's query went into its ring;
@@ -407,6 +487,9 @@ class EvictionPolicy:
 
     def on_prefill_done(self, state: PolicyState, rows: list[int]) -> None:
         """Host hook after the prefill of ``rows``, before any eviction. Default: nothing."""
+
+    def on_chunk_done(self, state: PolicyState, rows: list[int], n_new: list[int]) -> None:
+        """Host hook after a chunk wrote ``n_new`` tokens in ``rows``, before any eviction. Default: nothing."""
 
     def on_decode(self, state: PolicyState, rows: list[int]) -> None:
         """Host hook after each decode step's write, before the eviction check. Default: nothing."""

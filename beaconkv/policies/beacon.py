@@ -188,8 +188,9 @@ class BeaconKV(EvictionPolicy):
         obs = state.obs.unbind() if state.obs is not None else [None] * len(cache)
         state.layers = [BeaconLayer(b, o, c) for b, o, c in zip(state.beacons.unbind(), obs, layers)]
 
-    def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int]) -> None:
-        super().admit(state, rows, prompt_lengths)
+    def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int],
+              written: list[int] | None = None) -> None:
+        super().admit(state, rows, prompt_lengths, written)
         rows_t = state.index(rows)
         state.beacons.clear(rows_t)
         if state.obs is not None:
@@ -203,6 +204,13 @@ class BeaconKV(EvictionPolicy):
     def observe_prefill(self, state: PolicyState, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
                         rows: Tensor) -> None:
         self.lifecycle.observe_prefill(self, layer_state, q_pre, positions, valid, rows)
+
+    def observe_chunk(self, state: PolicyState, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
+                      rows: Tensor) -> None:
+        """A chunk of a prompt prefilled in chunks (or a question on a compressed context): its queries
+        are folded into the observation set, which becomes the FPS of every chunk seen so far (SPEC §4
+        step 1 over chunks; the query history keeps them in the ring)."""
+        self.lifecycle.observe_chunk(self, layer_state, q_pre, positions, valid, rows)
 
     def held_queries(self, state: PolicyState) -> list[float]:
         """Query vectors held per query head for each row (the paper's Fig. 7 memory): at most
@@ -230,6 +238,27 @@ class BeaconKV(EvictionPolicy):
         else:
             # a prompt may already be past the freeze point (int n_prefix): freeze before any eviction
             self.after_count_change(state, rows)
+
+    def on_chunk_done(self, state: PolicyState, rows: list[int], n_new: list[int]) -> None:
+        """After a chunk: its queries are in the observation set (:meth:`observe_chunk`), nothing is pending.
+        A row frozen before the chunk folds its beacons back in and accumulates again, so the freeze that
+        follows (if the count is past the freeze point) samples beacons from every chunk, and its recent
+        queries are the chunk's newest. Static beacons (Initial+Recent) are sampled again from every chunk
+        seen so far: the prompt is not whole until its last chunk."""
+        frozen = [b for b in rows if state.phase[b] == "frozen"]
+        if frozen:
+            self.lifecycle.unfreeze(self, state, frozen, state.index(frozen))
+            state.beacons.clear(state.index(frozen))
+        for b, n in zip(rows, n_new):
+            state.obs_count[b] = self.lifecycle.chunk_count(self, state.obs_count[b], n)
+            state.obs_since[b] = state.t[b]
+            state.phase[b] = "accumulate"
+        rows_t = state.index(rows)
+        state.obs_since_dev[rows_t] = state.t_dev[rows_t]
+        if self.static_beacons:
+            self.freeze(state, rows)
+            for b in rows:
+                state.phase[b] = "static"
 
     def on_decode(self, state: PolicyState, rows: list[int]) -> None:
         due = self.lifecycle.compress_due(self, state, rows)

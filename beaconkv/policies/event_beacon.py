@@ -98,8 +98,9 @@ class EventBeaconKV(BeaconKV):
         state.layers = [EventLayer(lay.beacons, lay.obs, lay.cache, ev, nxt)
                         for lay, ev, nxt in zip(state.layers, state.events.unbind(), state.next_slot.unbind(0))]
 
-    def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int]) -> None:
-        super().admit(state, rows, prompt_lengths)
+    def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int],
+              written: list[int] | None = None) -> None:
+        super().admit(state, rows, prompt_lengths, written)
         rows_t = state.index(rows)
         state.events.clear(rows_t)
         state.next_slot[:, rows_t] = 0

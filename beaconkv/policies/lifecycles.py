@@ -101,6 +101,18 @@ class QueryLifecycle(ABC):
         """Vectors in the observation set right after the prefill. Default: 0."""
         return 0
 
+    def observe_chunk(self, policy: BeaconKV, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
+                      rows: Tensor) -> None:
+        """Sees one layer's chunk queries (a prompt prefilled in chunks). Default: nothing (the ring keeps them)."""
+
+    def chunk_count(self, policy: BeaconKV, count: int, n_new: int) -> int:
+        """Vectors in the observation set after a chunk of ``n_new`` queries joined ``count``. Default: 0."""
+        return 0
+
+    def unfreeze(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> None:
+        """A frozen row goes back to accumulating (a chunk arrived before its eviction): its beacons return to
+        the candidates. Default: nothing (the ring still holds every candidate)."""
+
     def compress_due(self, policy: BeaconKV, state: Any, rows: list[int]) -> list[int]:
         """Rows whose pending queries must be folded in now. Default: none."""
         return []
@@ -142,6 +154,21 @@ class BoundedObservation(QueryLifecycle):
 
     def prefill_count(self, policy: BeaconKV, prompt_length: int) -> int:
         return min(prompt_length, policy.q_min)
+
+    def observe_chunk(self, policy: BeaconKV, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
+                      rows: Tensor) -> None:
+        B, H, L, _ = q_pre.shape
+        chunk = policy.candidates(QuerySet(q_pre, positions[:, None].expand(B, H, L), valid[:, None].expand(B, H, L)),
+                                  layer_state.cache)
+        layer_state.obs.assign(rows, QuerySet.cat(layer_state.obs.rows(rows), chunk).select(policy.sampler,
+                                                                                             policy.q_min))
+
+    def chunk_count(self, policy: BeaconKV, count: int, n_new: int) -> int:
+        return min(count + n_new, policy.q_min)
+
+    def unfreeze(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> None:
+        folded = QuerySet.cat(state.obs.rows(rows_t), state.beacons.rows(rows_t))
+        state.obs.assign(rows_t, policy.sample(state, folded, policy.q_min))
 
     def compress_due(self, policy: BeaconKV, state: Any, rows: list[int]) -> list[int]:
         return [b for b in rows if state.phase[b] == "accumulate"

@@ -45,6 +45,12 @@ class ObservingPolicy(Protocol):
 
     def observe_attention(self, state: PolicyState, layer_state: Any, weights: Tensor) -> None: ...  # noqa: D102
 
+    @property
+    def observes_chunk(self) -> bool: ...  # noqa: D102 - whether observe_chunk is overridden
+
+    def observe_chunk(self, state: PolicyState, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
+                      rows: Tensor) -> None: ...  # noqa: D102
+
 
 class QueryRing:
     """The last ``window`` pre-RoPE queries of every row and query head, slot ``position % window``.
@@ -88,6 +94,27 @@ class QueryRing:
         gathered = torch.gather(q_pre, 2, idx[:, None, :, None].expand(-1, q_pre.shape[1], -1, q_pre.shape[3]))
         self.queries[rows] = torch.where(ok[:, None, :, None], gathered, 0).to(self.queries.dtype)
         self.query_pos[rows] = torch.where(ok, p, -1)
+
+    def write_chunk(self, q_pre: Tensor, positions: Tensor, valid: Tensor, rows: Tensor) -> None:
+        """Puts a chunk's queries into the ring after what each row holds: the chunk's last ``window``
+        positions replace the slots they map to; the others keep their older queries.
+
+        Args:
+            q_pre: ``(b, heads, L, head_dim)`` right-padded chunk queries.
+            positions: ``(b, L)`` their positions (consecutive from ``positions[:, 0]``).
+            valid: ``(b, L)`` False on padding.
+            rows: ``(b,)`` the rows.
+        """
+        R = self.window
+        slots = torch.arange(R, device=valid.device)
+        first = positions[:, :1]  # (b, 1)
+        last = first + valid.sum(-1, keepdim=True) - 1
+        p = last - torch.remainder(last - slots, R)  # (b, R): the chunk's latest position on each slot
+        ok = p >= first
+        idx = (p - first).clamp(min=0)
+        gathered = torch.gather(q_pre, 2, idx[:, None, :, None].expand(-1, q_pre.shape[1], -1, q_pre.shape[3]))
+        self.queries[rows] = torch.where(ok[:, None, :, None], gathered.to(self.queries.dtype), self.queries[rows])
+        self.query_pos[rows] = torch.where(ok, p, self.query_pos[rows])
 
     def append(self, q_pre: Tensor, positions: Tensor, active: Tensor) -> None:
         """Writes one decode query per row in place (static shapes, no host read).
@@ -264,6 +291,32 @@ class ObservedLayer:
             self.state.executor.run(type(policy).observe_prefill, policy, self.state, self.layer_state, q_pre,
                                     positions, valid, rows)
 
+    def chunk(self, q_pre: Tensor, positions: Tensor, valid: Tensor, rows: Tensor | None = None) -> None:
+        """Sees one layer's chunk queries (after the cache wrote the chunk after each row's slots); see
+        :meth:`~beaconkv.observation.ChunkedLayerObserver.chunk`.
+
+        Zeroes the slot buffers at the slots the chunk wrote, writes the queries into the ring after the
+        row's older ones (:meth:`QueryRing.write_chunk`), then runs the policy's
+        :meth:`~beaconkv.policies.EvictionPolicy.observe_chunk` through the state's executor.
+
+        Args:
+            q_pre: ``(b, heads, L, head_dim)`` pre-RoPE queries.
+            positions: ``(b, L)`` their positions.
+            valid: ``(b, L)`` False on padding.
+            rows: ``(b,)`` the rows (None: every row).
+        """
+        rows = self.state.all_rows if rows is None else rows
+        if self.slot_buffers:
+            written = self.cache.positions(rows) >= positions[:, :1, None]  # (b, kv_heads, capacity)
+            for buf in self.slot_buffers.values():
+                buf[rows] = torch.where(written, 0, buf[rows])
+        if self.ring_buffer is not None:
+            self.ring_buffer.write_chunk(q_pre, positions, valid, rows)
+        if self.policy.observes_chunk:
+            policy = self.policy
+            self.state.executor.run(type(policy).observe_chunk, policy, self.state, self.layer_state, q_pre,
+                                    positions, valid, rows)
+
     def decode(self, q_pre: Tensor, positions: Tensor, weights: Tensor | None) -> None:
         """Sees one decode step (after the cache's ``append`` and ``attend``); device ops only.
 
@@ -302,6 +355,10 @@ class ObserverRows:
     def prefill(self, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
         """Observes ``b`` prompts of this view's rows (see :meth:`ObservedLayer.prefill`)."""
         self.observer.prefill(q_pre, positions, valid, self.rows)
+
+    def chunk(self, q_pre: Tensor, positions: Tensor, valid: Tensor) -> None:
+        """Observes ``b`` chunks of this view's rows (see :meth:`ObservedLayer.chunk`)."""
+        self.observer.chunk(q_pre, positions, valid, self.rows)
 
     def decode(self, q_pre: Tensor, positions: Tensor, weights: Tensor | None) -> None:
         """Refused: a rows view only prefills; decode steps observe every row.

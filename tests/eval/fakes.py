@@ -49,7 +49,7 @@ class FakeEngine:
     """A pool of ``max_batch`` slots; every step admits waiting requests and gives each running one a token."""
 
     def __init__(self, owner: FakeEngines, *, policy, max_batch, prompt_capacity, max_new_tokens, kv_storage,
-                 compile) -> None:  # fmt: skip
+                 compile, prefill_chunk=None) -> None:  # fmt: skip
         self.owner, self.policy, self.kv_storage = owner, policy, kv_storage
         self.max_batch, self.prompt_capacity, self.max_new_tokens = max_batch, prompt_capacity, max_new_tokens
         self.waiting: list[tuple[int, Request]] = []

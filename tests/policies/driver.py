@@ -31,8 +31,15 @@ def drive(
     on_step=None,
     storage: str = "dense",
     keep: int | None = None,
+    prefill_chunk: int | None = None,
 ) -> tuple[KVCache, PolicyState]:
     """Prefills random prompts, runs ``steps`` decode writes, asserts the invariants throughout.
+
+    With ``prefill_chunk=N`` a prompt longer than ``N`` is written ``N`` tokens at a time, as
+    :meth:`~beaconkv.session.Session.prefill` does (the first chunk as a prefill, the others through
+    the cache's ``write_chunk`` and the observer's ``chunk``, the policy's ``after_chunk`` after each);
+    the invariants are checked after every chunk, and right after each chunk's write (before the
+    policy acts) no row holds more than ``n_prefix + budget + N`` tokens.
 
     Invariants checked after prefill and every step, for every layer, sequence and KV head:
     the cache holds at most ``n_prefix + budget`` tokens; positions strictly increase; every kept
@@ -47,24 +54,43 @@ def drive(
     """
     g = torch.Generator().manual_seed(seed)
     B, H, D = len(prompt_lengths), n_kv * group, head_dim
-    cap = policy.capacity(prompt_lengths, steps)
+    cap = policy.capacity(prompt_lengths, steps, prefill_chunk=prefill_chunk)
     cache = KVCache.allocate(n_layers, B, n_kv, H, cap, D, storage=storage)
-    state = bind(policy, cache, RotaryEmbedding(D), prompt_lengths, max_tokens=max(prompt_lengths) + steps)
     L = max(prompt_lengths)
-    valid = torch.arange(L)[None] < torch.tensor(prompt_lengths)[:, None]
-    positions = torch.arange(L).expand(B, L)
-    written = []  # per layer: (B, n_kv, max_pos, D) keys/values by absolute position
-    for layer, observer in zip(cache.layers, state.observers):  # what attention does: cache, then observer
-        k, v = torch.randn(B, n_kv, L, D, generator=g), torch.randn(B, n_kv, L, D, generator=g)
-        q = torch.randn(B, H, L, D, generator=g)
-        layer.write_prefill(k, v, positions, valid)
-        observer.prefill(q, positions, valid)
-        wk = torch.zeros(B, n_kv, L + steps, D)
-        wv = torch.zeros(B, n_kv, L + steps, D)
-        wk[:, :, :L], wv[:, :, :L] = k, v
-        written.append((wk, wv))
-    policy.after_prefill(state, list(range(B)))
-    check(policy, state, written, evicted=[e > 0 for e in state.stats.evictions], keep=keep)
+    chunk = L if prefill_chunk is None else prefill_chunk
+    first = [min(n, chunk) for n in prompt_lengths]
+    state = policy.create_state(cache, RotaryEmbedding(D), max_tokens=L + steps)
+    policy.admit(state, list(range(B)), list(prompt_lengths), written=first)
+    written = [(torch.zeros(B, n_kv, L + steps, D), torch.zeros(B, n_kv, L + steps, D)) for _ in cache.layers]
+    for begin in range(0, L, chunk):  # what attention does: cache, then observer
+        rows = [b for b in range(B) if prompt_lengths[b] > begin]
+        rows_t = torch.tensor(rows)
+        n = [min(prompt_lengths[b] - begin, chunk) for b in rows]
+        width = max(n)
+        valid = torch.arange(width)[None] < torch.tensor(n)[:, None]
+        positions = begin + torch.arange(width).expand(len(rows), width)
+        before = list(state.stats.evictions)
+        for i, (layer, observer) in enumerate(zip(cache.layers, state.observers)):
+            k, v = torch.randn(len(rows), n_kv, width, D, generator=g), torch.randn(len(rows), n_kv, width, D, generator=g)
+            q = torch.randn(len(rows), H, width, D, generator=g)
+            if begin == 0:
+                layer.write_prefill(k, v, positions, valid, rows=rows_t)
+                observer.rows(rows_t).prefill(q, positions, valid)
+            else:
+                layer.write_chunk(k, v, positions, valid, rows=rows_t)
+                observer.rows(rows_t).chunk(q, positions, valid)
+            if prefill_chunk is not None and policy.budget is not None:
+                for j, b in enumerate(rows):
+                    bound = state.prefix[b] + policy.budget + prefill_chunk
+                    assert int(layer.length[b]) <= bound, f"chunk at {begin}: {int(layer.length[b])} > {bound}"
+            wk, wv = written[i]
+            for j, b in enumerate(rows):
+                wk[b, :, begin:begin + n[j]], wv[b, :, begin:begin + n[j]] = k[j, :, :n[j]], v[j, :, :n[j]]
+        if begin == 0:
+            policy.after_prefill(state, rows)
+        else:
+            policy.after_chunk(state, rows, n)
+        check(policy, state, written, evicted=[a != b for a, b in zip(state.stats.evictions, before)], keep=keep)
     for s in range(steps):
         before = list(state.stats.evictions)
         pos = torch.tensor(prompt_lengths) + s
@@ -122,7 +148,8 @@ def check(policy: EvictionPolicy, state: PolicyState, written, evicted: list[boo
             expect = _stored(torch.gather(want, 2, at[..., None].expand(-1, -1, -1, want.shape[-1])), storage)
             assert torch.equal(got[filled], expect[filled]), "kept K/V must be the values written at their positions"
         for b in range(B):
-            n, prefix, t = int(length[b]), state.prefix[b], state.t[b]
+            # the protected prefix written so far (a prompt prefilled in chunks may not have reached its end)
+            n, prefix, t = int(length[b]), min(state.prefix[b], state.t[b] + 1), state.t[b]
             if adaptive:  # the host counts the fullest head's worst case
                 assert n <= prefix + state.count[b], f"layer {i} seq {b}: {n} slots > {prefix}+{state.count[b]}"
             else:

@@ -142,3 +142,35 @@ def test_an_unbounded_sampler_freezes_over_every_query_of_the_history():
         assert sizes and state.stats.evictions[0] >= 2
         for valid, newest in sizes:  # at each freeze: positions 0 .. newest, all of them
             assert valid == newest + 1
+
+
+@st.composite
+def chunked_cases(draw):
+    """A valid (budget, n_recent, ratio), an int prefix, prompts longer than the budget, and a prefill chunk."""
+    case = draw(budget_cases(max_budget=96, max_recent=8))
+    budget = case["budget"]
+    case["n_prefix"] = draw(st.integers(0, 6))
+    case["prompts"] = draw(st.lists(st.integers(case["n_prefix"] + 1, 3 * budget + 20), min_size=1, max_size=2))
+    case["chunk"] = draw(st.integers(1, budget + 8))
+    case["steps"] = draw(st.integers(0, budget))
+    return case
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(PROPERTY, max_examples=3)
+@given(case=chunked_cases())
+def test_a_chunked_prefill_bounds_the_cache_for_every_policy(name, case):
+    # issue #43: with prefill_chunk=N the cache is sized n_prefix + budget + N at most, never the whole
+    # prompt; the 7/8 budget, prefix and recent guarantees hold at every chunk (checked by the driver)
+    policy = _policy(name, case)
+    N = case["chunk"]
+    bound = case["n_prefix"] + case["budget"] + N
+    capacity = policy.capacity(case["prompts"], case["steps"], prefill_chunk=N)
+    assert capacity <= bound, f"capacity {capacity} > n_prefix + budget + N = {bound}"
+    keep = math.floor(case["ratio"] * case["budget"])
+    cache, state = drive(policy, case["prompts"], case["steps"], n_kv=case["n_kv"], group=case["group"],
+                         n_layers=1, head_dim=4, seed=case["seed"], keep=keep, prefill_chunk=N)
+    assert cache.capacity == capacity
+    longest = max(case["prompts"])
+    if longest >= case["n_prefix"] + case["budget"] + N:  # the whole prompt could never have fit
+        assert max(state.stats.evictions) > 0
