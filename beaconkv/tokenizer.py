@@ -136,6 +136,11 @@ class Tokenizer:
         )
 
     @property
+    def backend(self) -> _HFTokenizer:
+        """The ``tokenizers.Tokenizer`` underneath (its added tokens, offsets and post-processing)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         """Size of the vocabulary including added tokens."""
         return self._tok.get_vocab_size(with_added_tokens=True)

@@ -3,18 +3,23 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON, or server-sent events with
 ``"stream": true``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text).
 
-A body over ``max_request_bytes`` is refused with 413 before it is parsed
+Before a request is read, a ``Host`` that is not one of the server's names gets 400 and a body not declared
+``application/json`` gets 415 (:class:`~beaconkv.serve.browsers.BrowserGuard`: a web page cannot drive the
+server); a body over ``max_request_bytes`` gets 413 and one slower than ``body_timeout_s`` gets 408
 (:class:`~beaconkv.serve.limits.BodyLimit`). A call is then checked and encoded
-(:mod:`beaconkv.serve.schema`) on a small thread pool — tokenizing never holds the event loop, so
-``/health`` answers during any request, and a prompt too long to fit is refused before it is
-tokenized — submitted to the engine thread as one group of ``n`` choices, and answered from the
-group's events. Every error has OpenAI's body (:mod:`beaconkv.serve.errors`): 400 for a bad
-request — FastAPI's own validation errors included, which it would answer with 422 — 404 for an
-unknown model, 413 for a body over the limit, 429 with ``Retry-After`` when the queue is full, 500
-for a request the engine failed on (alone: the others and the server go on), 503 when the engine
-has stopped. A client that goes away has its choices cancelled, freeing their slots at the next
-step: every waiting route watches the connection for ``http.disconnect`` (a non-streamed call has
-nothing to send until it ends) and looks at least every ``poll_s`` seconds, and a stream also ends
+(:mod:`beaconkv.serve.schema`) on a small pool of threads (:class:`~beaconkv.serve.prepare_pool.PreparePool`)
+— tokenizing never holds the event loop, so ``/health`` answers during any request; an answer larger than
+``max_answer_tokens`` and a prompt too long to fit are refused before anything is tokenized; the chat template
+renders with a time limit, and is stopped when its client leaves — submitted to the engine thread as one group
+of ``n`` choices, and answered from the group's events. An answer's JSON is built and serialised on a thread,
+a slice at a time (:func:`~beaconkv.serve.responses.json_bytes`), never on the event loop. Every error has
+OpenAI's body (:mod:`beaconkv.serve.errors`): 400 for a bad request — FastAPI's own validation errors
+included, which it would answer with 422 — 404 for an unknown model, 408, 413 and 415 as above, 429 with
+``Retry-After`` when the queue is full, 500 for a request the engine failed on (alone: the others and the
+server go on), 503 when the engine has stopped. ``/health`` says ``degraded`` (503) while every prepare thread
+has been stuck on one call for a second. A client that goes away has its choices cancelled, freeing their
+slots at the next step: every waiting route watches the connection for ``http.disconnect`` (a non-streamed
+call has nothing to send until it ends) and looks at least every ``poll_s`` seconds, and a stream also ends
 when its generator is cancelled or closed.
 """
 
@@ -24,7 +29,6 @@ import asyncio
 import json
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import Completion, Engine, EngineError, QueueFullError, TokenLogprob
 from ..tokenizer import Tokenizer
 from . import responses
+from .browsers import LOCAL_HOSTS, BrowserGuard
 from .errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
@@ -47,8 +52,9 @@ from .errors import (
     request_failed,
     shutting_down,
 )
-from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, max_token_chars
+from .limits import BodyLimit, RequestLimits, max_token_chars
 from .metrics import CONTENT_TYPE, render, server_metrics
+from .prepare_pool import SATURATED_AFTER_S, PrepareJob, PreparePool
 from .schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,11 +64,13 @@ from .schema import (
     prepare_chat,
     prepare_completion,
 )
+from .special_tokens import SpecialTokenText
 from .worker import EngineWorker, RequestGroup, WorkerStopped
 
 CLIENT_CLOSED = 499
 """Status logged for a call whose client went away before its answer (nobody reads it)."""
 _REFUSALS = {400: "invalid_request", 404: "model_not_found", 413: "too_large", 429: "queue_full", 503: "unavailable"}
+_CLIENT_GONE = APIError("the client went away before its call was prepared", status=CLIENT_CLOSED, code="client_closed")
 
 
 @dataclass
@@ -75,8 +83,10 @@ class ServeState:
         served: The names the server answers to (the first is the default).
         poll_s: Seconds between checks that a waiting client is still connected.
         max_prompt_chars: Longest prompt text tokenized at all (longer ones cannot fit in the prompt capacity).
-        pool: The threads that check and tokenize calls (off the event loop).
+        pool: The threads that check, render and tokenize calls (off the event loop).
         token_text: The text of single tokens (log-probabilities).
+        limits: What one request may cost.
+        special_tokens: What becomes of special-token text in chat messages (None: it stays special).
     """
 
     worker: EngineWorker
@@ -84,8 +94,10 @@ class ServeState:
     served: list[str]
     poll_s: float = 0.5
     max_prompt_chars: int | None = None
-    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "beaconkv-prepare"))
+    pool: PreparePool = field(default_factory=PreparePool)
     token_text: responses.TokenText | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    special_tokens: SpecialTokenText | None = None
 
     @property
     def engine(self) -> Engine:
@@ -93,25 +105,70 @@ class ServeState:
         return self.worker.engine
 
     async def prepare(self, prepare: Callable[..., PreparedRequest], model: type[SamplingFields],
-                      raw: bytes) -> PreparedRequest:
+                      raw: bytes, request: Request | None = None) -> PreparedRequest | None:
         """Parses a raw body (:func:`~beaconkv.serve.schema.parse_body`) and prepares it (``prepare_chat`` or
-        ``prepare_completion``) on the pool, off the event loop."""
-        def run() -> PreparedRequest | APIError:
+        ``prepare_completion``) on the pool, off the event loop.
+
+        Args:
+            prepare: ``prepare_chat`` or ``prepare_completion``.
+            model: The body's model.
+            raw: The body.
+            request: The HTTP request, watched for its client leaving (None: not watched).
+
+        Returns:
+            The prepared call; None when the client left first (its work is stopped: a render under way is
+            interrupted, a call still waiting for a thread never runs).
+
+        Raises:
+            APIError: The call cannot be served as sent (a render that ran out of time included).
+        """
+        def work(job: PrepareJob) -> PreparedRequest | APIError:
             try:
                 body = parse_body(model, raw, self.engine)
-                return prepare(body, self.tokenizer, self.engine, self.served, max_prompt_chars=self.max_prompt_chars)
+                options: dict[str, Any] = dict(max_prompt_chars=self.max_prompt_chars,
+                                               max_answer_tokens=self.limits.max_answer_tokens)
+                if prepare is prepare_chat:
+                    options.update(special_tokens=self.special_tokens, interruptible=job.interruptible)
+                return prepare(body, self.tokenizer, self.engine, self.served, **options)
             except APIError as err:  # returned, not raised: its frames (they hold the parsed body) die on this thread,
                 err.__traceback__ = None  # not on the event loop (freeing 10**5 objects there stalls every call)
                 return err
 
-        result = await asyncio.get_running_loop().run_in_executor(self.pool, run)
+        try:
+            job = self.pool.submit(work)
+        except RuntimeError as err:  # the pool is closed: the server is stopping
+            raise shutting_down(str(err)) from None
+        assert job.future is not None
+        done = asyncio.wrap_future(job.future)
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may read it: no warning
+        watch = _ClientWatch(request) if request is not None else None
+        try:
+            waiting = {done} if watch is None else {done, watch.task}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if not done.done():  # the client left
+                job.interrupt(_CLIENT_GONE)
+                return None
+            if done.cancelled():  # stopped while it waited for a thread (the server is stopping)
+                raise job.stopped or shutting_down()
+            result = done.result()
+        except asyncio.CancelledError:  # the route is cancelled (a shutdown that ran out of patience)
+            job.interrupt(shutting_down())
+            raise
+        finally:
+            if watch is not None:
+                watch.close()
         if isinstance(result, APIError):
             raise result
         return result
 
+    def interrupt_all(self) -> None:
+        """Stops every call being prepared (a server that is stopping): each answers 503."""
+        self.pool.interrupt_all(shutting_down())
+
 
 def create_app(worker: EngineWorker, tokenizer: Tokenizer, served_names: Sequence[str], *,
-               poll_s: float = 0.5, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               poll_s: float = 0.5, limits: RequestLimits | None = None,
+               allowed_hosts: Sequence[str] | None = LOCAL_HOSTS, special_tokens: str | None = "escape",
                prepare_threads: int = 2) -> FastAPI:
     """The server's application. Its lifespan starts the worker's thread and stops it at shutdown.
 
@@ -120,21 +177,26 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, served_names: Sequenc
         tokenizer: The served model's tokenizer.
         served_names: The model names requests may ask for (at least one).
         poll_s: Seconds between checks that a waiting client is still connected.
-        max_request_bytes: Largest request body, in bytes (larger ones get 413 before they are read).
-        prepare_threads: Threads that check and tokenize calls.
+        limits: What one request may cost (body size and time, answer size, template time; the defaults of
+            :class:`~beaconkv.serve.limits.RequestLimits` when None).
+        allowed_hosts: The ``Host`` names requests may use (see :func:`~beaconkv.serve.browsers.host_allowed`;
+            ``["*"]`` or None: any). The default, localhost's names, suits a client on this machine; FastAPI's
+            ``TestClient`` then needs ``base_url="http://localhost"``.
+        special_tokens: Special-token text in chat messages: ``"escape"`` (read as plain text), ``"refuse"``
+            (HTTP 400), or None (tokenized as the special tokens it spells, as before).
+        prepare_threads: Threads that check, render and tokenize calls.
 
     Raises:
-        ValueError: ``served_names`` is empty, or a limit below 1.
+        ValueError: ``served_names`` is empty, ``prepare_threads`` below 1, or an unknown ``special_tokens``.
     """
     if not served_names:
         raise ValueError("served_names is empty; give the model at least one name.")
-    for name, value in (("max_request_bytes", max_request_bytes), ("prepare_threads", prepare_threads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1.")
+    limits = limits if limits is not None else RequestLimits()
     state = ServeState(worker, tokenizer, list(served_names), poll_s,
                        max_prompt_chars=worker.engine.prompt_capacity * max_token_chars(tokenizer),
-                       pool=ThreadPoolExecutor(prepare_threads, "beaconkv-prepare"),
-                       token_text=responses.TokenText(tokenizer))
+                       pool=PreparePool(prepare_threads, limits.template_timeout_s),
+                       token_text=responses.TokenText(tokenizer), limits=limits,
+                       special_tokens=None if special_tokens is None else SpecialTokenText(tokenizer, special_tokens))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -142,8 +204,8 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, served_names: Sequenc
         try:
             yield
         finally:
+            state.pool.close()
             await asyncio.to_thread(worker.stop)
-            state.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="beaconkv", summary="OpenAI-compatible API over beaconkv's continuous-batching engine",
                   lifespan=lifespan)
@@ -151,17 +213,28 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, served_names: Sequenc
     _add_error_handlers(app, state)
     counters = worker.counters
 
-    def too_large() -> None:
-        counters.refused["too_large"] = counters.refused.get("too_large", 0) + 1
+    def refused(reason: str) -> None:
+        counters.refused[reason] = counters.refused.get(reason, 0) + 1
 
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, on_refuse=too_large)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes, on_refuse=refused,
+                       timeout_s=limits.body_timeout_s)
+    app.add_middleware(BrowserGuard, allowed_hosts=allowed_hosts, on_refuse=refused)  # the outer one: runs first
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while the engine thread runs, 503 once it stopped (with the reason)."""
-        if worker.alive:
-            return JSONResponse({"status": "ok", "running": state.engine.running, "queued": state.engine.queued})
-        return JSONResponse({"status": "unavailable", "reason": worker.stop_reason}, status_code=503)
+        """200 while the engine thread runs; 503 ``degraded`` while every prepare thread has been stuck on one
+        call for a second (new calls wait), 503 ``unavailable`` once the engine thread stopped (with the reason)."""
+        if not worker.alive:
+            return JSONResponse({"status": "unavailable", "reason": worker.stop_reason}, status_code=503)
+        busy, waiting, stuck_s = state.pool.saturation()
+        figures = {"running": state.engine.running, "queued": state.engine.queued, "preparing": busy,
+                   "waiting_to_prepare": waiting}
+        if stuck_s >= SATURATED_AFTER_S:
+            reason = (f"all {state.pool.threads} prepare threads have been busy for {stuck_s:.1f} s (slow "
+                      f"chat-template renders; each stops after --template-timeout "
+                      f"{state.pool.template_timeout_s:g} s); {waiting} calls wait for them")
+            return JSONResponse({"status": "degraded", "reason": reason, **figures}, status_code=503)
+        return JSONResponse({"status": "ok", **figures})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -178,13 +251,17 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, served_names: Sequenc
     @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         """A chat completion: the conversation rendered with the chat template (body: ``ChatCompletionRequest``)."""
-        prepared = await state.prepare(prepare_chat, ChatCompletionRequest, await request.body())
+        prepared = await state.prepare(prepare_chat, ChatCompletionRequest, await request.body(), request)
+        if prepared is None:
+            return Response(status_code=CLIENT_CLOSED)
         return await _respond(state, prepared, request, chat=True)
 
     @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         """A text completion of the prompt(s) as given (body: ``CompletionRequest``)."""
-        prepared = await state.prepare(prepare_completion, CompletionRequest, await request.body())
+        prepared = await state.prepare(prepare_completion, CompletionRequest, await request.body(), request)
+        if prepared is None:
+            return Response(status_code=CLIENT_CLOSED)
         return await _respond(state, prepared, request, chat=False)
 
     def openapi() -> dict[str, Any]:
@@ -266,7 +343,12 @@ async def _respond(state: ServeState, prepared: PreparedRequest, request: Reques
     if failed:
         raise request_failed(failed[0].error or "the request failed")
     build = responses.chat_completion if chat else responses.text_completion
-    return JSONResponse(build(rid, created, prepared.model, done, prepared.prompt_tokens, state.token_text))
+
+    def answer() -> bytes:  # on a thread: an answer may hold 10**6 log-probabilities
+        return responses.json_bytes(build(rid, created, prepared.model, done, prepared.prompt_tokens,
+                                          state.token_text))
+
+    return Response(await asyncio.to_thread(answer), media_type="application/json")
 
 
 class ErrorResponse(JSONResponse):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import socket
 import sys
 import time
@@ -41,13 +42,26 @@ from ..models.loading import (
     resolve_dtype,
 )
 from ..tokenizer import load_tokenizer
-from .limits import DEFAULT_MAX_REQUEST_BYTES
+from .browsers import ANY_HOST, default_allowed_hosts
+from .limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_ANSWER_TOKENS,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_TEMPLATE_TIMEOUT_S,
+    ConnectionLimits,
+    RequestLimits,
+)
+from .special_tokens import SPECIAL_TOKEN_MODES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 """``--log-level`` choices (uvicorn's)."""
 
 DEFAULT_PROMPT_CAPACITY = 1024
 """``--prompt-capacity`` without it or ``--max-model-len``: the longest prompt a slot takes."""
+RESERVED_FILES = 64
+"""File descriptors kept free beside ``--max-connections`` (the checkpoint, logs, the listening socket...)."""
 
 
 class ServeError(BeaconKVError, ValueError):
@@ -63,6 +77,25 @@ def port_number(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {value}")
     return value
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds > 0 (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from err
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def size_text(n: int) -> str:
+    """``4194304`` -> ``"4 MiB"``, ``1536`` -> ``"1.5 KiB"``, ``100`` -> ``"100 bytes"``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n} bytes"
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -106,10 +139,91 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     s.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0 = any free port)")
     s.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level (default info)")
+    s.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="Host names requests may use; any other gets HTTP 400, so that a web page cannot reach the "
+                        "server by pointing its own domain at this address (DNS rebinding). '.example.com' allows "
+                        "the domain and its subdomains, '*' any host (default: localhost, 127.0.0.1, ::1 and --host; "
+                        "with --host 0.0.0.0 also this machine's name and addresses)")
+    s.add_argument("--special-tokens-in-content", choices=SPECIAL_TOKEN_MODES, default="escape",
+                   help="special-token text (e.g. '<|im_start|>') in a chat message: 'escape' reads it as plain text, "
+                        "never as the token; 'refuse' answers HTTP 400 (default escape)")
     s.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="largest request body; a larger one gets HTTP 413 before it is read "
-                        f"(default {DEFAULT_MAX_REQUEST_BYTES}, 8 MiB)")
+                        f"(default {DEFAULT_MAX_REQUEST_BYTES}, {size_text(DEFAULT_MAX_REQUEST_BYTES)})")
+    s.add_argument("--max-answer-tokens", type=positive_int, default=DEFAULT_MAX_ANSWER_TOKENS, metavar="TOKENS",
+                   help="most n x max_tokens x (1 + top_logprobs) of one call, every token and every alternative "
+                        "reported counting one; more gets HTTP 400 before any work "
+                        f"(default {DEFAULT_MAX_ANSWER_TOKENS})")
+    s.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="open connections at once; one more closes the oldest connection not being served (a "
+                        "request still arriving, or idle), else gets HTTP 503. Keep it above --max-batch + "
+                        f"--max-queue (default {DEFAULT_MAX_CONNECTIONS})")
+    s.add_argument("--header-timeout", type=seconds, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                   help="seconds a request's head (request line and headers) may take to arrive; then the "
+                        f"connection closes (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    s.add_argument("--body-timeout", type=seconds, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+                   help="seconds a request's body may take to arrive after its head; then HTTP 408, and the part "
+                        f"read is dropped (default {DEFAULT_BODY_TIMEOUT_S:g})")
+    s.add_argument("--template-timeout", type=seconds, default=DEFAULT_TEMPLATE_TIMEOUT_S, metavar="SECONDS",
+                   help="seconds the chat template may take to render a conversation; then it is stopped and the "
+                        f"call gets HTTP 400 (default {DEFAULT_TEMPLATE_TIMEOUT_S:g})")
     return parser
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    """What one request may cost, from the parsed options."""
+    return RequestLimits(max_request_bytes=args.max_request_bytes, body_timeout_s=args.body_timeout,
+                         max_answer_tokens=args.max_answer_tokens, template_timeout_s=args.template_timeout)
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """The connection cap and head timeout, from the parsed options."""
+    return ConnectionLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout)
+
+
+def allowed_hosts(args: argparse.Namespace) -> list[str]:
+    """``--allowed-hosts``, or the names a server on ``--host`` answers to by default.
+
+    Raises:
+        ServeError: An empty name.
+    """
+    if args.allowed_hosts is None:
+        return default_allowed_hosts(args.host)
+    names = [h.strip() for h in args.allowed_hosts]
+    if any(not n or n == "." for n in names):
+        raise ServeError(f"--allowed-hosts {args.allowed_hosts!r} holds an empty name; give host names, "
+                         f"'.domain' or '{ANY_HOST}'.")
+    return list(dict.fromkeys(names))
+
+
+def ensure_file_limit(connections: int, reserve: int = RESERVED_FILES) -> None:
+    """Makes room for ``connections`` sockets in the process's file-descriptor limit, raising its soft limit up
+    to the hard one if needed (Linux and macOS; elsewhere nothing is checked).
+
+    A server that runs out of descriptors stops accepting connections altogether; ``--max-connections`` keeps
+    it from getting there only if the limit leaves room for it.
+
+    Args:
+        connections: ``--max-connections``.
+        reserve: Descriptors kept free for everything else.
+
+    Raises:
+        ServeError: The hard limit leaves no room (the message names both numbers and the fixes).
+    """
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = connections + reserve
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard == resource.RLIM_INFINITY or hard >= need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        return
+    raise ServeError(f"--max-connections {connections} needs {need} file descriptors, but this process may open at "
+                     f"most {hard} (ulimit -Hn); pass --max-connections {max(1, hard - reserve)} or less, or raise "
+                     "the limit (ulimit -n).")
 
 
 def prompt_capacity(args: argparse.Namespace) -> int:
@@ -200,7 +314,8 @@ def run_serve(args: argparse.Namespace) -> int:
         beaconkv.policies.PolicyConfigError: An unknown policy, a budget it rejects, or a budget with
             ``--policy full``.
         ServeError: Limits beyond the model's positions, ``--max-model-len`` with ``--prompt-capacity``,
-            ``--max-batch`` below 1, a busy port, an empty name, or fastapi and uvicorn missing.
+            ``--max-batch`` below 1, a busy port, an empty name, a ``--max-connections`` beyond the file limit,
+            or fastapi and uvicorn missing.
         ValueError: An unknown dtype or an unavailable device.
         FileNotFoundError: No such checkpoint.
     """
@@ -210,6 +325,8 @@ def run_serve(args: argparse.Namespace) -> int:
                          "with N >= 1.")
     capacity = prompt_capacity(args)
     names = served_names(args.model, args.served_model_name)
+    limits, connections, hosts = request_limits(args), connection_limits(args), allowed_hosts(args)
+    ensure_file_limit(connections.max_connections)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     path = model_path(args.model)
@@ -240,9 +357,10 @@ def run_serve(args: argparse.Namespace) -> int:
               f"{time.perf_counter() - t0:.1f}s; {args.max_batch} slots of {engine.slot_capacity} tokens "
               f"({engine.cache_bytes / 2**20:.0f} MiB, {args.kv_storage}), {policy!r}", file=sys.stderr)
         banner = (f"beaconkv serve: serving {', '.join(names)} at http://{shown}:{port}/v1 "
-                  f"(prompts up to {capacity} tokens, up to {args.max_new_tokens} new tokens; "
-                  "Ctrl-C stops)")
+                  f"(prompts up to {capacity} tokens, up to {args.max_new_tokens} new tokens; Host names "
+                  f"{', '.join(hosts)}; Ctrl-C stops)")
         return server.serve(engine, tokenizer, names, sock, threads=args.threads, log_level=args.log_level,
-                            banner=banner, max_request_bytes=args.max_request_bytes)
+                            banner=banner, limits=limits, connections=connections, allowed_hosts=hosts,
+                            special_tokens=args.special_tokens_in_content)
     finally:
         sock.close()

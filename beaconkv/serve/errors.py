@@ -101,6 +101,58 @@ def request_too_large(size: int | None, limit: int) -> APIError:
                     code="request_too_large")
 
 
+def body_timeout(timeout_s: float, received: int, declared: int | None) -> APIError:
+    """The HTTP 408 error of a request body that did not arrive within the server's ``--body-timeout``.
+
+    Args:
+        timeout_s: The limit in seconds.
+        received: Bytes of the body that had arrived.
+        declared: The body's ``Content-Length``, if it had one.
+    """
+    of = f" of {declared}" if declared is not None else ""
+    return APIError(f"the request body did not arrive within {timeout_s:g} s ({received}{of} bytes came); send it "
+                    "at once, or restart the server with a larger --body-timeout.", status=408,
+                    code="request_timeout")
+
+
+def unsupported_media_type(content_type: str | None) -> APIError:
+    """The HTTP 415 error of a request body that is not declared as JSON.
+
+    A web page may send a cross-site ``text/plain`` or form POST without asking the server first; a JSON body
+    needs the browser's CORS preflight, which this server never grants.
+
+    Args:
+        content_type: The request's ``Content-Type`` (None: it had none).
+    """
+    shown = "no Content-Type" if content_type is None else f"Content-Type {content_type[:80]!r}"
+    return APIError(f"the request has {shown}; this server reads JSON bodies only: send the header "
+                    "'Content-Type: application/json'.", status=415, code="unsupported_media_type")
+
+
+def host_not_allowed(host: str, allowed: Sequence[str]) -> APIError:
+    """The HTTP 400 error of a request whose ``Host`` is not one this server answers to (DNS rebinding).
+
+    Args:
+        host: The host the request named.
+        allowed: The allowed host names.
+    """
+    shown = host if len(host) <= 80 else host[:77] + "..."
+    return APIError(f"Host {shown!r} is not a name of this server (it answers to {', '.join(map(repr, allowed))}): "
+                    "a web page may have pointed its own domain at this address. Call the server by one of those "
+                    "names, or restart it with --allowed-hosts naming this one.", code="host_not_allowed")
+
+
+def template_timeout(timeout_s: float) -> APIError:
+    """The HTTP 400 error of a conversation the chat template did not render within ``--template-timeout``.
+
+    Args:
+        timeout_s: The limit in seconds.
+    """
+    return APIError(f"the chat template took more than {timeout_s:g} s to render this conversation and was stopped; "
+                    "send a shorter conversation or other chat_template_kwargs, or restart the server with a larger "
+                    "--template-timeout.", param="messages", code="template_timeout")
+
+
 def request_failed(reason: str) -> APIError:
     """The HTTP 500 error of a request the engine took but failed on (the other requests went on).
 

@@ -24,8 +24,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The ``Content-Type`` of the Prometheus text format."""
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 """Finish reasons counted (every one is exported, zero or not)."""
-REFUSAL_REASONS = ("invalid_request", "model_not_found", "too_large", "queue_full", "unavailable")
-"""Why a call was refused: HTTP 400, 404 (an unknown model), 413, 429, 503."""
+REFUSAL_REASONS = ("invalid_request", "model_not_found", "too_large", "queue_full", "unavailable", "bad_host",
+                   "unsupported_media_type", "body_timeout")
+"""Why a call was refused: HTTP 400, 404 (an unknown model), 413, 429, 503, 400 for a ``Host`` that is not the
+server's, 415 for a body not declared JSON, 408 for a body that came too slowly."""
 
 
 class ThroughputMeter:
@@ -145,7 +147,8 @@ def server_metrics(engine: Engine, meter: ThroughputMeter, counters: ServerCount
             counters.submitted),
         Metric("beaconkv_requests_finished_total", "counter", "Requests finished, by finish reason.",
                [({"finish_reason": r}, v) for r, v in counters.finished.items()]),
-        Metric("beaconkv_requests_refused_total", "counter", "Calls refused, by reason (400, 404, 413, 429, 503).",
+        Metric("beaconkv_requests_refused_total", "counter",
+               "Calls refused, by reason (400, 404, 408, 413, 415, 429, 503).",
                [({"reason": r}, v) for r, v in counters.refused.items()]),
         one("beaconkv_evictions_total", "counter", "KV-cache evictions of finished requests.", s.evictions),
         one("beaconkv_decode_steps_total", "counter", "Decode steps run.", s.steps),

@@ -11,6 +11,10 @@ Log-probabilities come in OpenAI's two formats: a chat choice's ``logprobs`` is
 "text_offset"}`` (:func:`text_logprobs`; ``top_logprobs`` maps token text to log-probability, the
 chosen token included, as OpenAI's legacy API does). A token's text is its own decode
 (:class:`TokenText`), so a token that holds part of a multi-byte character reads ``"\\ufffd"``.
+
+:func:`json_bytes` serialises an answer a slice at a time: ``json.dumps`` holds the GIL for its whole call, and an
+answer with a million log-probabilities took 20 s to serialise — on a thread, in one call, it would still hold
+the event loop that long.
 """
 
 from __future__ import annotations
@@ -36,6 +40,77 @@ def new_id(prefix: str) -> str:
 def now() -> int:
     """The ``created`` timestamp: Unix seconds."""
     return int(time.time())
+
+
+JSON_SLICE = 256
+"""Elements of a long list serialised by one ``json.dumps`` call in :func:`json_bytes`."""
+JSON_NODES = 4096
+"""Values (containers and leaves) a value may hold to be serialised by one ``json.dumps`` call (a few ms)."""
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def _big(obj: Any) -> bool:
+    """Whether ``obj`` holds more than :data:`JSON_NODES` values (counted until the count passes it)."""
+    stack, seen = [obj], 0
+    while stack:
+        value = stack.pop()
+        seen += 1
+        if seen > JSON_NODES:
+            return True
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            if len(value) > JSON_NODES:
+                return True
+            stack.extend(value)
+    return False
+
+
+def _encode(obj: Any, out: list[bytes]) -> None:
+    if isinstance(obj, dict) and _big(obj):
+        out.append(b"{")
+        for i, (key, value) in enumerate(obj.items()):
+            out.append((b"," if i else b"") + _dumps({key: 0})[1:-2])  # the key as json writes it, and ":"
+            _encode(value, out)
+        out.append(b"}")
+    elif isinstance(obj, list) and _big(obj):
+        out.append(b"[")
+        short = len(obj) <= JSON_SLICE  # a short list (the choices) may hold one huge element anywhere
+        for start in range(0, len(obj), JSON_SLICE):
+            part = obj[start:start + JSON_SLICE]
+            # a long list's elements are alike (log-probability entries): its first element speaks for a slice
+            if any(map(_big, part)) if short else _big(part[0]):
+                for i, value in enumerate(part):
+                    if start or i:
+                        out.append(b",")
+                    _encode(value, out)
+            else:
+                out.append((b"," if start else b"") + _dumps(part)[1:-1])
+        out.append(b"]")
+    else:
+        out.append(_dumps(obj))
+
+
+def json_bytes(obj: Any) -> bytes:
+    """``obj`` as compact UTF-8 JSON, byte for byte what ``json.dumps(obj, ensure_ascii=False,
+    separators=(",", ":"))`` writes, serialised a piece at a time: a value of at most :data:`JSON_NODES` values
+    in one call, a larger dict key by key, a larger list :data:`JSON_SLICE` elements at a time (its elements
+    one by one when they are large themselves).
+
+    Each slice is one short C call (serialised and encoded to UTF-8 on its own); between them the GIL passes to
+    other threads, so serialising a huge answer on a worker thread leaves the event loop running. Only the last
+    step, joining the slices' bytes, is one call over the whole answer (a copy: milliseconds for megabytes).
+
+    Raises:
+        ValueError: A NaN or infinite float (JSON has none).
+        TypeError: A value JSON cannot hold.
+    """
+    out: list[bytes] = []
+    _encode(obj, out)
+    return b"".join(out)
 
 
 def sse(obj: dict[str, Any], ascii: bool = False) -> str:

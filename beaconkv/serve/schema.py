@@ -8,11 +8,15 @@ the types (a value of the wrong type fails with HTTP 400). :func:`prepare_chat` 
 of the running engine — and encode the prompt, returning a :class:`PreparedRequest`: one
 :class:`~beaconkv.engine.Request` per choice (``n`` choices per prompt, choice ``i`` seeded
 ``seed + i``). Every problem is an :class:`~beaconkv.serve.errors.APIError` naming the field, the
-value and the fix, so the engine itself never sees a request it would refuse. A prompt longer than
-``max_prompt_chars`` characters (one that cannot fit in the prompt capacity, see
-:func:`~beaconkv.serve.limits.max_token_chars`) is refused before it is tokenized. The app runs
-all of this on worker threads: token-id prompts are checked in Python (which lets the event loop
-run every few milliseconds), not in one long pydantic call.
+value and the fix, so the engine itself never sees a request it would refuse. A call whose answer could
+hold more than ``max_answer_tokens`` tokens (:func:`~beaconkv.serve.limits.check_answer_size`) is refused
+before anything is rendered or tokenized; a prompt longer than ``max_prompt_chars`` characters (one that
+cannot fit in the prompt capacity, see :func:`~beaconkv.serve.limits.max_token_chars`) is refused before it
+is tokenized. A chat's special-token text in message contents is kept as text or refused
+(:mod:`beaconkv.serve.special_tokens`), and its chat template renders through a stoppable call
+(:meth:`~beaconkv.serve.prepare_pool.PrepareJob.interruptible`). The app runs all of this on worker threads:
+token-id prompts are checked in Python (which lets the event loop run every few milliseconds), not in one
+long pydantic call.
 
 Every field of OpenAI's two create-calls is either implemented, refused with HTTP 400 when set to
 anything that would change the answer (:data:`REFUSED_FIELDS`), or accepted and ignored because it
@@ -26,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -38,6 +42,8 @@ from ..generation import encode_prompts
 from ..sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from ..tokenizer import Tokenizer
 from .errors import APIError, from_validation_errors, model_not_found
+from .limits import check_answer_size
+from .special_tokens import SpecialTokenText
 
 MAX_CHOICES = 128
 """Most choices (``n`` times the number of prompts) one call may ask for."""
@@ -536,7 +542,9 @@ def _top_logprobs(value: int | None, param: str) -> int:
 
 
 def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, engine: Engine,
-                 served: Sequence[str], *, max_prompt_chars: int | None = None) -> PreparedRequest:
+                 served: Sequence[str], *, max_prompt_chars: int | None = None, max_answer_tokens: int | None = None,
+                 special_tokens: SpecialTokenText | None = None,
+                 interruptible: Callable[..., Any] | None = None) -> PreparedRequest:
     """Checks a chat call and renders its conversation with the chat template.
 
     Args:
@@ -546,13 +554,19 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, engine: Engi
         served: The served model names.
         max_prompt_chars: Longest rendered conversation, in characters, that is tokenized at all
             (None: no bound).
+        max_answer_tokens: Most ``n x max_tokens x (1 + top_logprobs)`` (None: no bound).
+        special_tokens: What becomes of special-token text in message contents (None: it is tokenized as the
+            special tokens it spells, as the template's own text).
+        interruptible: Runs the template's render, ``interruptible(render, messages)``, so that it can be stopped
+            (:meth:`~beaconkv.serve.prepare_pool.PrepareJob.interruptible`; None: a plain call).
 
     Returns:
         The call's engine requests and usage figures.
 
     Raises:
         APIError: An unknown model (404), an empty conversation, a value out of range, an unsupported
-            feature, a prompt longer than a slot holds or more tokens than the server allows (400).
+            feature, an answer too large, special-token text refused, a render that ran out of time, a prompt
+            longer than a slot holds or more tokens than the server allows (400).
     """
     model = resolve_model(body.model, served)
     if not body.messages:
@@ -572,17 +586,31 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, engine: Engi
                              max_param, engine)
     n = _choices(body, 1)
     logprobs = top if body.logprobs else None
+    if max_answer_tokens is not None:
+        check_answer_size(n, max_tokens, logprobs or 0, max_answer_tokens)
     params = _sampling(body, logprobs, engine.vocab_size)
+    messages = [m.as_template_message() for m in body.messages]
+    marked = None
+    if special_tokens is not None:
+        marked = special_tokens.mark(messages, tokenizer.chat_template or "", repr(options))
+
+    def render(conversation: list[dict[str, Any]]) -> Any:
+        return tokenizer.apply_chat_template(conversation, **options)
+
     try:
         # the template is third-party code run on the client's values: any failure of it is the request's
-        text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages], **options)
+        conversation = marked.messages if marked is not None else messages
+        text = render(conversation) if interruptible is None else interruptible(render, conversation)
     except (ValueError, TypeError, TemplateError, RecursionError, ArithmeticError, LookupError,
             AttributeError) as err:
         raise APIError(f"the conversation cannot be rendered with the chat template: {err}", param="messages") from None
     if not isinstance(text, str) or not text:
         raise APIError("the chat template rendered this conversation as an empty prompt.", param="messages")
+    spans: list[tuple[int, int]] = []
+    if marked is not None:
+        text, spans = marked.restore(text)
     _check_text(text, "messages", engine, max_prompt_chars)
-    ids = tokenizer.encode_prompt(text)
+    ids = special_tokens.encode(text, spans) if special_tokens is not None and spans else tokenizer.encode_prompt(text)
     stream, usage = _stream_flags(body)
     return PreparedRequest(model, _requests(body, [ids], n, params, max_tokens, "messages", engine, "chat"), len(ids),
                            stream, usage, logprobs)
@@ -595,7 +623,8 @@ def _prompt_count(prompt: Any) -> int:
 
 
 def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, engine: Engine,
-                       served: Sequence[str], *, max_prompt_chars: int | None = None) -> PreparedRequest:
+                       served: Sequence[str], *, max_prompt_chars: int | None = None,
+                       max_answer_tokens: int | None = None) -> PreparedRequest:
     """Checks a text-completion call and encodes its prompt(s) as they are (no chat template).
 
     Args:
@@ -604,19 +633,25 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, engine: En
         engine: The running engine (its prompt capacity, token limit and vocabulary).
         served: The served model names.
         max_prompt_chars: Longest text prompt, in characters, that is tokenized at all (None: no bound).
+        max_answer_tokens: Most ``choices x max_tokens x (1 + logprobs)`` (None: no bound).
 
     Returns:
         The call's engine requests (``n`` per prompt, prompt by prompt) and usage figures.
 
     Raises:
         APIError: An unknown model (404), an empty prompt, a value out of range, an unsupported
-            feature, a prompt longer than a slot holds or more tokens than the server allows (400).
+            feature, an answer too large, a prompt longer than a slot holds or more tokens than the server
+            allows (400).
     """
     model = resolve_model(body.model, served)
     _refuse_unsupported(body)
     logprobs = None if body.logprobs is None else _top_logprobs(body.logprobs, "logprobs")
     max_tokens = _max_tokens(body.max_tokens, "max_tokens", engine)
-    n = _choices(body, _prompt_count(body.prompt))  # before encoding: a call of 10**6 prompts costs nothing
+    count = _prompt_count(body.prompt)
+    n = _choices(body, count)  # before encoding: a call of 10**6 prompts costs nothing
+    if max_answer_tokens is not None:
+        check_answer_size(n * count, max_tokens, logprobs or 0, max_answer_tokens, n=n, prompts=count,
+                          top_param="logprobs")
     params = _sampling(body, logprobs, engine.vocab_size)
     texts = [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)]
     for text in texts:

@@ -3,13 +3,16 @@
 The model is a tiny random Llama with the embedded model's vocabulary, so that it takes the embedded
 tokenizer (its chat template, special tokens and byte-level BPE) — every request is real text end to
 end, at a cost of milliseconds. :class:`LiveApp` runs the application's lifespan (the engine
-thread) on an event loop of its own thread and sends requests through ``httpx.ASGITransport``.
+thread) on an event loop of its own thread and sends requests through ``httpx.ASGITransport``;
+:class:`ThreadServer` serves an app with uvicorn (and the guarded protocol) on a free local port, in a
+thread, for the tests that need real sockets.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -64,7 +67,7 @@ class LiveApp:
         self.thread.start()
         self._lifespan = app.router.lifespan_context(app)
         self.call(self._lifespan.__aenter__())
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tiny", timeout=60)
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost", timeout=60)
 
     def call(self, coro, timeout: float = 60.0):
         """Runs a coroutine on the app's loop and returns its result."""
@@ -106,3 +109,57 @@ def live(tiny_served) -> Iterator[LiveApp]:
         yield app
     finally:
         app.close()
+
+
+SLOW_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}never"
+"""A chat template that renders for hours (10**10 empty loop turns), in pure Python."""
+
+
+def slow_tokenizer() -> beaconkv.Tokenizer:
+    """The embedded tokenizer with :data:`SLOW_TEMPLATE` as its chat template."""
+    tok = beaconkv.load_tokenizer(beaconkv.embedded_model_path())
+    tok.chat_template = SLOW_TEMPLATE
+    return tok
+
+
+class ThreadServer:
+    """uvicorn serving ``app`` on a free port of 127.0.0.1, in a thread, with the guarded protocol.
+
+    Args:
+        app: An ASGI application (its lifespan runs).
+        connections: The connection limits (:class:`~beaconkv.serve.limits.ConnectionLimits`).
+    """
+
+    def __init__(self, app, connections=None) -> None:
+        import uvicorn
+
+        from beaconkv.serve.cli import bind_socket
+        from beaconkv.serve.connections import guarded_protocol
+        from beaconkv.serve.limits import ConnectionLimits
+
+        connections = connections or ConnectionLimits()
+        self.protocol = guarded_protocol(connections)
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", http=self.protocol,
+                                timeout_keep_alive=connections.keep_alive_s, timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="uvicorn",
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+
+    @property
+    def registry(self):
+        """The server's open connections and what it closed."""
+        return self.protocol.registry
+
+    def close(self) -> None:
+        """Stops uvicorn (and the app's lifespan)."""
+        self.server.should_exit = True
+        self.thread.join(20)
+        self.sock.close()

@@ -51,10 +51,10 @@ def test_a_request_the_engine_fails_on_gets_500_and_the_others_go_on(live):
     real = engine.session.prefill
     marker = [7, 7, 7, 7]
 
-    def prefill(prompts, rows=None):
+    def prefill(prompts, rows=None, **options):
         if marker in prompts:
             raise RuntimeError("out of memory")
-        return real(prompts, rows)
+        return real(prompts, rows, **options)
 
     engine.session.prefill = prefill
     try:

@@ -1,7 +1,9 @@
 """What one request may cost before it is admitted: a body over ``--max-request-bytes`` gets 413 before the app
-reads it (declared or streamed); a prompt too long to fit is refused without being tokenized, and the bound that
-decides it never refuses a prompt that fits; oversized lists are refused before they are parsed into models; and
-the event loop keeps answering ``/health`` within a second while the largest requests are handled."""
+reads it (declared or streamed), one slower than ``--body-timeout`` gets 408; a prompt too long to fit is refused
+without being tokenized, and the bound that decides it never refuses a prompt that fits; oversized lists are
+refused before they are parsed into models; an answer over ``--max-answer-tokens`` is refused before anything is
+tokenized, and a large answer is serialised without holding the event loop; and the event loop keeps answering
+``/health`` within a second while the largest requests are handled."""
 
 from __future__ import annotations
 
@@ -14,7 +16,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import beaconkv
-from beaconkv.serve.limits import DEFAULT_MAX_REQUEST_BYTES, max_token_chars
+from beaconkv.serve import responses
+from beaconkv.serve.errors import APIError
+from beaconkv.serve.limits import (
+    DEFAULT_MAX_ANSWER_TOKENS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    RequestLimits,
+    check_answer_size,
+    max_token_chars,
+)
+from beaconkv.serve.responses import json_bytes
 
 from .conftest import NAME, PROMPT_CAPACITY, live_app
 
@@ -34,7 +45,7 @@ def spied(tiny_served):
         return real(text, add_special_tokens)
 
     tok.encode = encode
-    app = live_app(model, tok, max_request_bytes=64 * 1024)
+    app = live_app(model, tok, limits=RequestLimits(max_request_bytes=64 * 1024))
     app.encoded = encoded
     try:
         yield app
@@ -161,3 +172,140 @@ def test_health_answers_within_a_second_while_a_large_request_is_handled(live, k
     answer, stall, slowest = live.call(run(), timeout=120)
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded", answer.text
     assert stall < 1.0 and slowest < 1.0, (stall, slowest)
+
+
+# ------------------------------------------------------------------------------ the size of an answer
+def test_the_answer_bound_refuses_the_probe_before_any_work():
+    """The issue's 136-byte request: n=128, max_tokens=512, 20 alternatives per token — 1,376,256 answer tokens
+    (a 111 MiB answer) — is over the default bound; one choice of 32k tokens with 20 alternatives is under it."""
+    with pytest.raises(APIError) as err:
+        check_answer_size(128, 512, 20, DEFAULT_MAX_ANSWER_TOKENS)
+    message = err.value.message
+    assert err.value.status == 400 and err.value.code == "answer_too_large"
+    for fragment in ("n=128", "max_tokens=512", "top_logprobs=20", "= 1376256", f"limit of {DEFAULT_MAX_ANSWER_TOKENS}",
+                     "--max-answer-tokens"):
+        assert fragment in message, (fragment, message)
+    check_answer_size(1, 32768, 20, DEFAULT_MAX_ANSWER_TOKENS)
+    check_answer_size(32, 32768, 0, DEFAULT_MAX_ANSWER_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def bounded(tiny_served):
+    """An app whose answers may hold 1,000 tokens (alternatives included), counting what it tokenizes."""
+    model, _ = tiny_served
+    tok = beaconkv.load_tokenizer(beaconkv.embedded_model_path())
+    encoded = []
+    real = tok.encode
+
+    def encode(text, add_special_tokens=False):
+        encoded.append(len(text))
+        return real(text, add_special_tokens)
+
+    tok.encode = encode
+    app = live_app(model, tok, limits=RequestLimits(max_answer_tokens=1000))
+    app.encoded = encoded
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+def test_an_answer_over_the_bound_gets_400_naming_every_factor(bounded):
+    counters = bounded.app.state.serve.worker.counters
+    submitted = counters.submitted
+    bounded.encoded.clear()
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 4, "max_tokens": 16,
+            "logprobs": True, "top_logprobs": 20, "ignore_eos": True}
+    r = bounded.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "answer_too_large" and error["param"] == "n"
+    assert "n=4 x max_tokens=16 x (1 + top_logprobs=20) = 1344 answer tokens" in error["message"]
+    assert "limit of 1000" in error["message"]
+    text = {"model": NAME, "prompt": ["a", "b", "c"], "n": 2, "max_tokens": 16, "logprobs": 10}
+    r = bounded.post("/v1/completions", json=text)
+    assert r.status_code == 400, r.text
+    assert "n=2 for 3 prompts (6 choices) x max_tokens=16 x (1 + logprobs=10) = 1056" in r.json()["error"]["message"]
+    assert counters.submitted == submitted and bounded.encoded == []  # refused before anything was tokenized
+    r = bounded.post("/v1/chat/completions", json={**chat, "top_logprobs": 14})  # 4 x 16 x 15 = 960: served
+    assert r.status_code == 200 and all(len(c["logprobs"]["content"]) == 16 for c in r.json()["choices"])
+
+
+ENTRY = {"token": "abc", "logprob": -1.25, "bytes": [97, 98, 99],
+         "top_logprobs": [{"token": "x\u00e9", "logprob": -2.5, "bytes": [120, 195, 169]}] * 20}
+
+
+def test_a_large_answer_is_serialised_without_holding_the_event_loop():
+    """25,000 log-probability entries of 20 alternatives (a 28 MB answer, seconds of json.dumps on a busy CPU)
+    serialised on a thread while the event loop ticks every 5 ms: no tick waits long, and the bytes are
+    json.dumps's."""
+    answer = {"id": "x", "choices": [{"index": i, "logprobs": {"content": [ENTRY] * 12_500}} for i in range(2)]}
+
+    async def run():
+        stalls, done = [], asyncio.Event()
+
+        async def tick():
+            while not done.is_set():
+                t0 = time.perf_counter()
+                await asyncio.sleep(0.005)
+                stalls.append(time.perf_counter() - t0)
+
+        ticker = asyncio.ensure_future(tick())
+        payload = await asyncio.to_thread(json_bytes, answer)
+        done.set()
+        await ticker
+        return payload, max(stalls), len(stalls)
+
+    payload, stall, ticks = asyncio.run(run())
+    assert payload == json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode()
+    assert ticks > 10 and stall < 0.5, (stall, ticks)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                    | st.text(max_size=6), lambda c: st.lists(c, max_size=7) | st.dictionaries(
+                        st.text(max_size=4) | st.integers() | st.booleans() | st.none(), c, max_size=4),
+                    max_leaves=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(JSON)
+def test_sliced_serialisation_is_json_dumps_byte_for_byte(monkeypatch_slice, value):
+    assert json_bytes(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_slice():
+    """Slices of 3 elements and pieces of 5 values, so that small values take every path of the serialisation."""
+    real = responses.JSON_SLICE, responses.JSON_NODES
+    responses.JSON_SLICE, responses.JSON_NODES = 3, 5
+    try:
+        yield
+    finally:
+        responses.JSON_SLICE, responses.JSON_NODES = real
+
+
+# ------------------------------------------------------------------------------ a body that comes slowly
+def test_a_body_slower_than_the_timeout_gets_408_and_is_dropped(tiny_served):
+    app = live_app(*tiny_served, limits=RequestLimits(body_timeout_s=0.5))
+    try:
+        async def trickle():
+            yield b'{"model": "tiny", '
+            await asyncio.sleep(3)
+            yield b'"prompt": "hi"}'
+
+        t0 = time.perf_counter()
+        r = app.post("/v1/completions", content=trickle(), headers={"content-type": "application/json"})
+        assert r.status_code == 408 and r.headers["connection"] == "close", r.text
+        assert r.json()["error"]["code"] == "request_timeout" and "--body-timeout" in r.json()["error"]["message"]
+        assert time.perf_counter() - t0 < 3  # answered at the timeout, not when the body ended
+        assert app.app.state.serve.worker.counters.refused["body_timeout"] == 1
+        assert app.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 1}).status_code == 200
+    finally:
+        app.close()
+
+
+def test_request_limits_refuse_values_that_cannot_work():
+    for field, value in (("max_request_bytes", 0), ("body_timeout_s", -1.0), ("max_answer_tokens", 1.5),
+                         ("template_timeout_s", 0)):
+        with pytest.raises(ValueError, match=f"{field}={value!r}"):
+            RequestLimits(**{field: value})
