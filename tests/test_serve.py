@@ -637,7 +637,7 @@ def test_half_open_sockets_never_keep_health_from_answering(hostile):
             socks.append(s)
         t0 = time.perf_counter()
         r = httpx.get(hostile.url + "/health", timeout=10)
-        assert r.status_code == 200 and time.perf_counter() - t0 < 2.0
+        assert r.status_code == 200 and time.perf_counter() - t0 < 5.0
         assert all(_closed_by_server(s, 5.0) for s in socks)  # pushed out by newer ones, or timed out
     finally:
         for s in socks:
@@ -707,7 +707,7 @@ def test_the_answer_bound_refuses_the_136_byte_request(hostile):
     t0 = time.perf_counter()
     r = httpx.post(hostile.url + "/v1/chat/completions", json=body, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == "answer_too_large", r.text
-    assert "= 1376256 answer tokens" in r.json()["error"]["message"] and time.perf_counter() - t0 < 2.0
+    assert "= 1376256 answer tokens" in r.json()["error"]["message"] and time.perf_counter() - t0 < 5.0
 
 
 def _wait_for_health(url: str, status: str, timeout: float) -> dict:

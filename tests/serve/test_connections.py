@@ -83,7 +83,7 @@ def test_half_open_sockets_beyond_the_cap_never_keep_health_from_answering(guard
             s.sendall(PARTIAL_HEAD)
             socks.append(s)
         status, seconds = _health(guarded.url)
-        assert status == 200 and seconds < 2.0, (status, seconds)
+        assert status == 200 and seconds < 5.0, (status, seconds)
         assert registry.evicted - evicted >= 100 - 64  # the flood pushed out its own oldest sockets
         assert len(registry.open) <= 64
         # every one of them is closed: pushed out, or its head timed out (1 s)
@@ -102,7 +102,7 @@ def test_a_head_trickled_on_a_keep_alive_connection_times_out(guarded):
         assert _response(s).startswith(b"HTTP/1.1 200 ")
         t0 = time.monotonic()
         closed = False
-        for _ in range(30):  # one byte every 0.2 s, for up to 6 s
+        for _ in range(50):  # one byte every 0.2 s, for up to 10 s
             try:
                 s.sendall(b"G")
             except (BrokenPipeError, ConnectionResetError):
@@ -118,7 +118,7 @@ def test_a_head_trickled_on_a_keep_alive_connection_times_out(guarded):
             except ConnectionResetError:
                 closed = True
                 break
-        assert closed and 0.8 < time.monotonic() - t0 < 3.0, time.monotonic() - t0
+        assert closed and 0.8 < time.monotonic() - t0 < 5.0, time.monotonic() - t0
 
 
 def test_a_body_slower_than_the_body_timeout_gets_408_and_the_connection_closes(guarded):
@@ -133,7 +133,7 @@ def test_a_body_slower_than_the_body_timeout_gets_408_and_the_connection_closes(
         body = json.loads(data.split(b"\r\n\r\n", 1)[1])
         assert body["error"]["code"] == "request_timeout" and "--body-timeout" in body["error"]["message"]
         assert f"{2**20 - 1} of {2**20} bytes" in body["error"]["message"]
-        assert 0.8 < elapsed < 3.0, elapsed
+        assert 0.8 < elapsed < 5.0, elapsed
         assert _closed_by_server(s, 2.0)
     with httpx.Client(base_url=guarded.url) as c:
         counters = c.get("/metrics").text
