@@ -633,3 +633,15 @@ def test_the_check_refuses_exactly_the_tensors_with_a_non_finite_value(values):
             loading.refuse_non_finite("w", tensor, Path("f.safetensors"))
     else:
         loading.refuse_non_finite("w", tensor, Path("f.safetensors"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_check_reads_every_dtype(ckpt, dtype):
+    """A NaN is found whatever the dtype the model is loaded in (bfloat16 by its bits: numpy has no bfloat16)."""
+    _rewrite(ckpt, lambda t: t["model.layers.0.self_attn.k_proj.weight"].__setitem__((1, 2), float("nan")))
+    with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.k_proj.weight in .* has 1 of \d+ values "
+                                              "that are NaN or infinite"):
+        beaconkv.load_model(ckpt, dtype=dtype)
+    for value in (-float("inf"), 65504.0, -3.0e38):  # bfloat16 bits: an infinity, and large finite values
+        t = torch.full((5,), value, dtype=torch.bfloat16)
+        assert loading._plausibly_finite(t) == math.isfinite(float(t[0]))
