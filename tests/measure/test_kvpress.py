@@ -33,6 +33,7 @@ from beaconkv.measure.accuracy.kvpress import (
     parse_results,
     run_kvpress,
     tokens_kept_of_prompt,
+    unsupported_reason,
 )
 from beaconkv.policies import FullKV
 from beaconkv.policies.config import PolicyConfigError
@@ -91,6 +92,19 @@ def test_tokens_kept_of_prompt_is_what_a_real_prefill_keeps(llama, name, budget,
     session.prefill([list(range(3, 3 + prompt))])
     held = (session.cache[0].positions() >= 0).sum(-1)  # (batch, kv_heads): valid slots of layer 0
     assert held.eq(tokens_kept_of_prompt(policy, prompt)).all(), held
+
+
+def test_unsupported_reasons_name_what_kvpress_cannot_express() -> None:
+    assert unsupported_reason("knorm", "prefill", context_len=500) is None
+    assert unsupported_reason("tova", "decode", decode={"compression_interval": 16, "target_size": 128}) is None
+    assert "batch=4" in unsupported_reason("knorm", "decode", batch=4)
+    reason = unsupported_reason("snapkv", "decode", decode={"compression_interval": 16, "target_size": 128})
+    assert "window_size=64" in reason and "compression_interval=16" in reason
+    assert unsupported_reason("snapkv", "decode", decode={"compression_interval": 16, "target_size": 128},
+                              press_kwargs={"window_size": 8}) is None
+    assert "not longer than SnapKV's window_size=64" in unsupported_reason("snapkv", "prefill", context_len=64)
+    assert "n_sink=4" in unsupported_reason("streaming", "prefill", context_len=4)
+    assert "masks pruned keys" in unsupported_reason("adakv-snapkv", "prefill", context_len=500)
 
 
 # ------------------------------------------------------------------------- the job, a fake kvpress
@@ -511,12 +525,19 @@ def test_kvpress_end_to_end_on_the_embedded_model() -> None:
         assert r.kv_bytes_after_prefill == expected_bytes, press
         assert r.peak_kv_bytes > r.kv_bytes_after_prefill
     decode = {"compression_interval": 16, "target_size": n_keep}
-    for press in ("knorm", "streaming", "tova", "snapkv"):
-        (r, _) = run_kvpress([KvpressCase("d", context[:-48], context[-48:], question, 4)] + cases[1:],
-                             press=press, compression_ratio=0.0, mode="decode", model_dir=path, decode=decode,
-                             timeout_s=600)
-        if press == "snapkv":  # SnapKVPress scores from the states buffered since the last compression (16)
-            assert r.error is not None and "window size 64" in r.error, r.error
+    teacher_forced = [KvpressCase("d", context[:-48], context[-48:], question, 4)]
+    for press, kwargs in (("knorm", {}), ("streaming", {}), ("tova", {}), ("snapkv", {}), ("snapkv", {"window_size": 8})):
+        (r,) = run_kvpress(teacher_forced, press=press, compression_ratio=0.0, mode="decode", model_dir=path,
+                           decode=decode, press_kwargs=kwargs, timeout_s=600)
+        # what unsupported_reason predicts is what kvpress does
+        reason = unsupported_reason(press, "decode", decode=decode, press_kwargs=kwargs)
+        if reason is not None:  # SnapKVPress scores from the states buffered since the last compression (16)
+            assert r.error is not None and "window size 64" in r.error, (press, r.error)
         else:
-            assert r.error is None, (press, r.error)
-            assert r.peak_kv_bytes < full  # compressions kept the cache near target_size during the decode
+            assert r.error is None, (press, kwargs, r.error)
+            per_token = full // len(context)
+            assert r.kv_bytes_after_prefill == (len(context) - 48) * per_token  # no prefill compression
+            # the peak is the 16th decode step's layer 0 before the first compression (the others hold 15 more
+            # tokens than the prefill): had nothing been compressed then, the cache would have grown past it
+            layer_token = per_token // hf.config.num_hidden_layers
+            assert r.peak_kv_bytes == (len(context) - 48 + 15) * per_token + layer_token, (press, kwargs)

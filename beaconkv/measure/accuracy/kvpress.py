@@ -199,6 +199,54 @@ def tokens_kept_of_prompt(policy: Any, context_len: int) -> int:
     return n_prefix + min(evictable, schedule.keep(policy, evictable, 0))
 
 
+# ---------------------------------------------------------------------------- what kvpress cannot do
+#: kvpress 0.5.5's defaults for the press parameters :func:`unsupported_reason` looks at.
+_SNAPKV_WINDOW = 64
+_SINK_TOKENS = {"streaming": 4, "expected_attention": 4}
+
+
+def unsupported_reason(press: str, mode: str, *, batch: int = 1, decode: dict | None = None,
+                       press_kwargs: dict | None = None, context_len: int | None = None) -> str | None:
+    """Why kvpress cannot run a setting as asked, known before running it (None: nothing known against it).
+
+    For the comparison table's note: a setting named here is either refused by kvpress (the driver would
+    return the case with ``error`` set) or runs with a meaning that differs from ours.
+
+    Args:
+        press: One of :data:`PRESSES`.
+        mode: One of :data:`MODES`.
+        batch: Sequences our side decodes together.
+        decode: The ``DecodingPress`` settings of mode ``"decode"``.
+        press_kwargs: Parameters passed to the scorer press.
+        context_len: Tokens of the context kvpress prefills.
+
+    Returns:
+        A sentence, or None.
+    """
+    kwargs = press_kwargs or {}
+    reasons = []
+    if batch > 1:
+        reasons.append(f"batch={batch}: kvpress runs one sequence at a time here (its pipeline is batch 1, and a "
+                       "padded batch would let its presses score the pad tokens); its memory is one sequence's")
+    window = kwargs.get("window_size", _SNAPKV_WINDOW)
+    if press in ("snapkv", "adakv-snapkv"):
+        if mode == "decode" and decode is not None and decode.get("compression_interval", 0) <= window:
+            reasons.append(f"decode-time SnapKV scores with the last window_size={window} of the hidden states "
+                           f"buffered since the previous compression, only compression_interval="
+                           f"{decode.get('compression_interval')} of them: kvpress refuses it (raise the interval "
+                           "above the window or pass press_kwargs window_size)")
+        if mode == "prefill" and context_len is not None and context_len <= window:
+            reasons.append(f"a context of {context_len} tokens is not longer than SnapKV's window_size={window}: "
+                           "kvpress refuses it")
+    sinks = kwargs.get("n_sink", _SINK_TOKENS.get(press, 0))
+    if context_len is not None and sinks and context_len <= sinks:
+        reasons.append(f"a context of {context_len} tokens is not longer than the press's n_sink={sinks}")
+    if press == "adakv-snapkv":
+        reasons.append("AdaKV in kvpress masks pruned keys per head instead of removing them: its KV bytes are "
+                       "the uncompressed cache's")
+    return "; ".join(reasons) or None
+
+
 # ------------------------------------------------------------------------------------ the driver
 def default_python() -> Path:
     """kvpress's interpreter: ``$BEACONKV_KVPRESS_PYTHON`` if set, else ``.venv-kvpress/bin/python`` of the checkout."""
