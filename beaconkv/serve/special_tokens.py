@@ -23,6 +23,7 @@ Non-special added tokens (Qwen3's ``<think>``) are left alone: they are ordinary
 
 from __future__ import annotations
 
+import bisect
 import re
 import secrets
 import threading
@@ -171,25 +172,31 @@ class SpecialTokenText:
             spans: ``(start, end)`` character offsets of the spellings that came from message contents.
         """
         backend = self.tokenizer.backend
-        ordered = sorted(spans)
+        ordered = sorted(spans)  # apart from one another, so their ends are sorted too
+        ends = [b for _, b in ordered]
 
-        def from_content(start: int, end: int) -> bool:
-            return any(a < end and start < b for a, b in ordered)
+        def from_content(start: int, end: int) -> bool:  # overlaps a span (a binary search: spans may be many)
+            i = bisect.bisect_right(ends, start)
+            return i < len(ordered) and ordered[i][0] < end
 
-        # where the tokenizer cuts the text at special tokens, the template's own ones only
-        found = backend.encode(text, add_special_tokens=False)
+        # where the tokenizer cuts the text at special tokens, the template's own ones only. encode_batch, not
+        # encode: it lets go of the GIL while it works, so the event loop runs meanwhile (encode holds it)
+        found = backend.encode_batch([text], add_special_tokens=False)[0]
         cuts = [(a, b) for token, (a, b) in zip(found.ids, found.offsets)
                 if token in self.special_ids and not from_content(a, b)]
-        literal = self._literal_backend()
-        parts: list[Encoding] = []
+        pieces: list[tuple[str, bool]] = []  # (text, a stretch between the template's special tokens)
         pos = 0
         for a, b in cuts:
             if a > pos:
-                parts.append(literal.encode(text[pos:a], add_special_tokens=False))
-            parts.append(backend.encode(text[a:b], add_special_tokens=False))
+                pieces.append((text[pos:a], True))
+            pieces.append((text[a:b], False))
             pos = b
         if pos < len(text):
-            parts.append(literal.encode(text[pos:], add_special_tokens=False))
+            pieces.append((text[pos:], True))
+        stretches = iter(self._literal_backend().encode_batch([t for t, plain in pieces if plain],
+                                                              add_special_tokens=False))
+        specials = iter(backend.encode_batch([t for t, plain in pieces if not plain], add_special_tokens=False))
+        parts = [next(stretches) if plain else next(specials) for _, plain in pieces]
         merged = Encoding.merge(parts, growing_offsets=True) if parts else backend.encode("", add_special_tokens=False)
         # the post-processor (a BOS, for some models) is applied unless the text starts with BOS, as encode_prompt does
         bos = self.tokenizer.bos_token
