@@ -89,7 +89,8 @@ def serve(engine: Engine, tokenizer: Tokenizer, served_names: Sequence[str], soc
     app = create_app(worker, tokenizer, served_names, limits=limits, allowed_hosts=allowed_hosts,
                      special_tokens=special_tokens)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on",
-                            http=guarded_protocol(connections), timeout_keep_alive=connections.keep_alive_s)
+                            http=guarded_protocol(connections), timeout_keep_alive=connections.keep_alive_s,
+                            ws="none")  # no WebSocket route: an upgrade would leave the guarded protocol's count
     server = Server(config, worker, banner, on_exit=app.state.serve.interrupt_all)
     try:
         server.run(sockets=[sock])

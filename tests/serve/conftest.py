@@ -142,7 +142,7 @@ class ThreadServer:
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", http=self.protocol,
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", http=self.protocol, ws="none",
                                 timeout_keep_alive=connections.keep_alive_s, timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="uvicorn",
