@@ -14,11 +14,14 @@ For a layer the policy runs:
 * **prefill**: the model's own attention over the prompt (transformers' mask, left padding and all); then
   the policy's observer sees the prompt's pre-RoPE queries (the rotation undone with the layer's own
   ``(cos, sin)``);
+* **chunk** (several tokens per row after the prefill, or a prompt cut into chunks): attention over the
+  store, each query seeing the held slots at or before its position, and the observer sees the queries
+  (:mod:`beaconkv.hf.chunk_forward`);
 * **decode**: attention over the layer's fixed-capacity store, whose slots hold positions in any order of
   eviction, masked by the slots themselves (``position >= 0``) — transformers' mask describes logical
   positions and is ignored; then the observer sees the step's pre-RoPE query and, when the policy asks,
   the attention weights. gpt-oss's attention sinks (``s_aux``) and logit soft-capping (``softcap``) are
-  applied as the model's eager attention applies them.
+  applied as the model's eager attention applies them, in chunks as in decode steps.
 """
 
 from __future__ import annotations
@@ -80,16 +83,17 @@ def policy_attention(base: str) -> Callable[..., tuple[Tensor, Tensor | None]]:
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                   **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         tap: PolicyTap | None = kwargs.pop("beaconkv_tap", None)
-        own = model_attention(module, base)
-        if tap is None or not tap.cache.decoding:
-            out = own(module, query, key, value, attention_mask, **kwargs)
+        phase = None if tap is None else tap.cache.phase
+        if phase not in ("chunk", "decode"):
+            out = model_attention(module, base)(module, query, key, value, attention_mask, **kwargs)
             if tap is not None:
                 tap.cache.observe_prefill(tap.index, query, tap.cos, tap.sin)
             return out
         scaling = kwargs.get("scaling")
         scaling = module.head_dim ** -0.5 if scaling is None else scaling
-        out = tap.cache.decode_attention(tap.index, query, tap.cos, tap.sin, scaling, sinks=kwargs.get("s_aux"),
-                                         softcap=kwargs.get("softcap"))
+        attend = tap.cache.chunk_attention if phase == "chunk" else tap.cache.decode_attention
+        out = attend(tap.index, query, tap.cos, tap.sin, scaling, sinks=kwargs.get("s_aux"),
+                     softcap=kwargs.get("softcap"))
         return out, None
 
     attention.__name__ = attention.__qualname__ = f"beaconkv_{base}_attention"

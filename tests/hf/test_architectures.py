@@ -3,7 +3,9 @@ layers), Gemma 3 (sliding layers), Phi-3 (partial RoPE), Mistral, OLMo 2 — tin
 
 For each: with room for everything, DynamicCache's greedy tokens; 300 tokens at budget 64 with evictions, the
 policy's layers never above prompt + budget; a ragged batch gives each row's tokens run alone; the model's
-RoPE as the policies use it (rotate, and its inverse) is the model's own; a user's policy subclass runs.
+RoPE as the policies use it (rotate, and its inverse) is the model's own; a user's policy subclass runs; a prompt
+prefilled in chunks (sliding layers, sinks and all) gives DynamicCache's tokens keeping everything, and with
+evictions each row's tokens run alone.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from beaconkv.hf import PolicyCache
 from beaconkv.hf.hooks import decoder_layers
 from beaconkv.hf.rotary import invert_rotary
-from beaconkv.policies import BeaconKV
+from beaconkv.policies import BeaconKV, FullKV
 
 from .helpers import NewestQuery, greedy, random_prompts
 
@@ -146,3 +148,22 @@ def test_a_users_policy_subclass_runs(models, kind):
     generated = record.kept_positions[0][record.kept_positions[0] >= len(prompts[row])]
     # the score chose: some kept token is older than the newest B_min (what keeping the newest would keep)
     assert bool((generated < int(generated.max()) - policy.b_min + 1).any())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_chunked_prefill_keeps_the_models_own_layers_and_each_rows_tokens(models, kind):
+    """The calls a chunked prompt is cut into run transformers' own layers (sliding windows) over the same columns
+    as one prefill, and the policy's chunk attention applies gpt-oss's sinks: keeping everything, DynamicCache's
+    tokens; evicting between chunks, a ragged batch gives each row's tokens run alone."""
+    model = models[kind]
+    prompts = random_prompts((12, 45, 30), seed=6)
+    want = greedy(model, prompts, tf.DynamicCache(config=model.config), 20)
+    assert greedy(model, prompts, PolicyCache(model, FullKV(), max_new_tokens=20, prefill_chunk=8), 20) == want
+
+    def policy() -> BeaconKV:
+        return BeaconKV(32, n_recent=4, n_beacon=4, n_prefix=2)
+
+    cache = PolicyCache(model, policy(), prefill_chunk=8)
+    batch = greedy(model, prompts, cache, 40)
+    assert cache.store.capacity <= 2 + 32 + 8 < 45 and min(cache.state.stats.evictions) >= 3
+    assert batch == [greedy(model, [p], PolicyCache(model, policy(), prefill_chunk=8), 40)[0] for p in prompts]

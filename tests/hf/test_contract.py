@@ -64,14 +64,16 @@ def test_keep_everything_needs_max_new_tokens_and_stops_at_it():
         greedy(model, prompts, PolicyCache(model, FullKV(), max_new_tokens=4), 8)
 
 
-def test_a_second_multi_token_forward_and_beam_search_are_refused():
+def test_another_batch_size_and_beam_search_are_refused():
+    # a later forward of several tokens per row continues the rows (tests/hf/test_chunked.py); one of other rows
+    # than the prefill's cannot, since the policy's state follows the rows it admitted
     model = tiny()
     ids = torch.tensor(random_prompts((8,), seed=4))
     cache = PolicyCache(model, BeaconKV(64, n_recent=8))
     with torch.no_grad():
         model(ids, cache=cache)
-        with pytest.raises(PolicyCacheError, match="one token per row"):
-            model(ids[:, :3], cache=cache)
+        with pytest.raises(PolicyCacheError, match="holds 1: a cache serves the rows it was prefilled with"):
+            model(ids.expand(2, -1)[:, :3], cache=cache)
     with pytest.raises(PolicyCacheError, match="beam"):
         model.generate(ids, cache=PolicyCache(model, BeaconKV(64, n_recent=8)), num_beams=2, max_new_tokens=4,
                        do_sample=False, pad_token_id=0)
