@@ -207,7 +207,8 @@ def run_hf_generation(args: argparse.Namespace, prompts: list[str], policy: Evic
           f"{_placement(args)}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     out = generate_hf(model, tok, prompts, policy=policy, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                      chat=not args.raw, eos_token_ids=[] if args.ignore_eos else None)
+                      chat=not args.raw, eos_token_ids=[] if args.ignore_eos else None,
+                      prefill_chunk=args.prefill_chunk)
     for i, text in enumerate(out.texts or []):
         print(text if len(prompts) == 1 else f"--- [{i}] ---\n{text}")
     s = out.stats

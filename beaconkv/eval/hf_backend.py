@@ -39,6 +39,8 @@ class HFEvalEngine:
         max_new_tokens: Most new tokens a request may generate.
         kv_storage: Only ``"dense"``.
         compile: Only False (transformers' decode runs eagerly here).
+        prefill_chunk: Prefill prompts longer than this in chunks of this many tokens, the policy evicting between
+            chunks (``PolicyCache(..., prefill_chunk=)``); None: whole prompts.
 
     Raises:
         ValueError: ``kv_storage`` other than dense, ``compile``, or a prompt that leaves no position.
@@ -50,14 +52,11 @@ class HFEvalEngine:
         if kv_storage != "dense" or compile:
             raise ValueError("the transformers backend stores keys and values densely and decodes eagerly; "
                              "run it with kv_storage='dense' and compile=False (--kv-storage dense, no --compile).")
-        if prefill_chunk is not None:
-            raise ValueError("the transformers backend prefills whole prompts; drop --prefill-chunk "
-                             f"{prefill_chunk} (the native backend prefills in chunks).")
         limit = model.config.get_text_config(decoder=True).max_position_embeddings
         if limit - prompt_capacity < 1:
             raise ValueError(f"the longest prompt has {prompt_capacity} tokens and the model's "
                              f"max_position_embeddings={limit} leaves no room for a new token.")
-        self.model, self.tokenizer, self.policy = model, tokenizer, policy
+        self.model, self.tokenizer, self.policy, self.prefill_chunk = model, tokenizer, policy, prefill_chunk
         self.max_new_tokens = min(max_new_tokens, limit - prompt_capacity)
         self._queue: deque[tuple[int, Request, float]] = deque()
         self._figures: dict[int, CacheFigures] = {}
@@ -90,7 +89,7 @@ class HFEvalEngine:
                           max_new_tokens=min(request.max_new_tokens, self.max_new_tokens), temperature=s.temperature,
                           top_p=s.top_p, top_k=s.top_k, seed=rid if request.seed is None else request.seed,
                           eos_token_ids=self.tokenizer.eos_token_ids if request.eos_token_ids is None
-                          else list(request.eos_token_ids))
+                          else list(request.eos_token_ids), prefill_chunk=self.prefill_chunk)
         ids, end = out.token_ids[0], time.perf_counter()
         done = Completion(rid, ids, self.tokenizer.decode(ids), out.finish_reasons[0], len(request.prompt),
                           out.stats.evictions[0], queued_s=started - submitted,

@@ -128,6 +128,7 @@ def generate_hf(
     seed: int = 0,
     chat: bool = False,
     eos_token_ids: Sequence[int] | None = None,
+    prefill_chunk: int | None = None,
 ) -> HFGenerationOutput:
     """Generates continuations of ``prompts`` with ``model.generate`` into a :class:`~beaconkv.hf.PolicyCache`.
 
@@ -143,6 +144,9 @@ def generate_hf(
         seed: Seeds torch's generator, which transformers samples from (one stream for the whole batch).
         chat: Render texts as one user turn of the chat template.
         eos_token_ids: Stop ids (default: the tokenizer's; ``[]``: never stop).
+        prefill_chunk: Prefill prompts longer than this in chunks of this many tokens, the policy evicting between
+            chunks (``PolicyCache(..., prefill_chunk=)``): the store then holds at most ``n_prefix + budget +
+            prefill_chunk`` slots per KV head instead of the whole prompt. None: whole prompts.
 
     Returns:
         The tokens, texts and figures.
@@ -153,7 +157,7 @@ def generate_hf(
     device = next(model.parameters()).device
     ids, mask = left_pad(ids_list, pad, device)
     eos = list(eos_token_ids) if eos_token_ids is not None else list(tokenizer.eos_token_ids if tokenizer else [])
-    cache = PolicyCache(model, policy, max_new_tokens=max_new_tokens)
+    cache = PolicyCache(model, policy, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk)
     sampling: dict[str, Any] = {"do_sample": False}
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k or None}
