@@ -206,3 +206,18 @@ def test_every_command_reports_a_missing_model_in_one_line(command, extra, capsy
     rc = main(argv)
     _one_line_error(rc, capsys.readouterr().err, command, str(missing))
     assert not out.exists(), "an --out folder was left behind"
+
+
+def test_generate_prefill_chunk_bounds_the_cache(tiny_checkpoint, capsys, restore_threads):
+    prompt = " ".join("abcdefghijklmnopqrstuvwxyz"[i % 26] for i in range(90))
+    argv = ["generate", "--model", str(tiny_checkpoint), "--prompt", prompt, "--raw", "--max-new-tokens", "4",
+            "--ignore-eos", "--threads", "1", "--budget", "32", "--n-recent", "4", "--policy-arg", "n_prefix=2"]
+    assert main(argv) == 0
+    whole = int(re.search(r"cache capacity (\d+) slots", capsys.readouterr().err).group(1))
+    assert main([*argv, "--prefill-chunk", "16"]) == 0
+    err = capsys.readouterr().err
+    chunked = int(re.search(r"cache capacity (\d+) slots", err).group(1))
+    assert whole >= 90 and chunked <= 2 + 32 + 16, (whole, chunked)
+    assert re.search(r"evictions \[[1-9]", err)
+    with pytest.raises(SystemExit):
+        main([*argv, "--prefill-chunk", "0"])

@@ -21,6 +21,7 @@ import torch
 
 from ..arguments import (
     add_kernels_argument,
+    add_prefill_chunk_argument,
     add_kv_storage_argument,
     add_max_batch_argument,
     add_model_arguments,
@@ -119,6 +120,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="compile the decode step and the policy's work (the first request pays for it)")
     add_kv_storage_argument(m)
     add_kernels_argument(m)
+    add_prefill_chunk_argument(m)
     p = parser.add_argument_group("eviction policy")
     add_policy_arguments(p)
     add_n_beacon_argument(p)
@@ -349,6 +351,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(directory)
         engine = Engine(model, tokenizer, policy=policy, max_batch=args.max_batch, prompt_capacity=capacity,
                         max_new_tokens=args.max_new_tokens, kv_storage=args.kv_storage, kernels=args.kernels,
+                        prefill_chunk=args.prefill_chunk,
                         compile=CompileConfig() if args.compile else False, max_queue=args.max_queue, seed=args.seed)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
