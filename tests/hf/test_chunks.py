@@ -29,7 +29,7 @@ def forwards(draw):
     return valid, starts, draw(st.one_of(st.none(), st.integers(1, 12))), draw(st.booleans())
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(case=forwards())
 def test_every_rows_chunks_end_with_a_piece_and_are_the_natives(case):
     valid, starts, chunk, prompt = case
