@@ -211,24 +211,32 @@ class LayerKVCache(nn.Module):
             rows: ``(b,)`` the rows written (None: all, ``b == batch``).
 
         Raises:
-            CacheCapacityError: A row's length plus ``L`` exceeds the capacity.
+            CacheCapacityError: A row's length plus its real tokens exceed the capacity.
         """
         b, _, L, _ = k.shape
         rows_t = torch.arange(b, device=k.device) if rows is None else rows
         start = self.length[rows_t]  # (b,)
-        room = int((start + L).max())
-        if room > self.capacity:
+        count = valid.sum(-1)
+        need = start + count
+        if int(need.max()) > self.capacity:
+            worst = int(need.argmax())
             raise CacheCapacityError(
-                f"a chunk of {L} tokens after {room - L} held slots does not fit a cache of capacity "
-                f"{self.capacity}; size the cache for the chunk (the policy's capacity(..., prefill_chunk=)) "
-                "or use a smaller chunk."
+                f"a chunk of {int(count[worst])} tokens after {int(start[worst])} held slots does not fit a cache of "
+                f"capacity {self.capacity}; size the cache for the chunk (the policy's capacity(..., "
+                "prefill_chunk=)) or use a smaller chunk."
             )
+        if int((start + L).max()) > self.capacity:  # a short row's padding would run past the end: row by row
+            for i in range(b):
+                n = int(count[i])
+                self.write_chunk(k[i:i + 1, :, :n], v[i:i + 1, :, :n], positions[i:i + 1, :n], valid[i:i + 1, :n],
+                                 rows=rows_t[i:i + 1])
+            return
         slots = start[:, None] + torch.arange(L, device=k.device)  # (b, L)
         self.storage.write(rows_t, slots, k, v)
         held = torch.where(valid, positions, -1)[:, None, :].expand(b, self.n_kv_heads, L)
         self.pos[rows_t[:, None, None], torch.arange(self.n_kv_heads, device=k.device)[None, :, None],
                  slots[:, None, :]] = held
-        self.length[rows_t] = start + valid.sum(-1)
+        self.length[rows_t] = need
 
     def attend_chunk(self, q: Tensor, positions: Tensor, scale: float, rows: Tensor | None = None) -> Tensor:
         """Attention of a chunk's queries over every filled slot at or before each query's position.

@@ -49,6 +49,7 @@ from .eval.answers import extract_last_boxed
 from .eval.cli import add_eval_arguments, run_eval_from_args
 from .execution import CompileConfig
 from .generation import GenerationOutput, generate
+from .measure.accuracy.cli import add_accuracy_arguments, run_accuracy
 from .measure.analysis import add_analyze_arguments, run_analyze
 from .measure.fidelity.cli import add_fidelity_arguments, run_fidelity
 from .measure.lengths import add_lengths_arguments, run_lengths
@@ -85,6 +86,9 @@ TOOLS: dict[str, tuple[Callable[[argparse.ArgumentParser], object], Callable[[ar
     "lengths": (add_lengths_arguments, run_lengths,
                 "the length effect: how long each policy and budget writes to end of sequence, vs FullKV"),
     "bench": (add_bench_arguments, run_bench, "decode speed, bandwidth and memory benchmark"),
+    "accuracy": (add_accuracy_arguments, run_accuracy,
+                 "long-context accuracy under compression: passkey, needles, variable tracking, the needle in "
+                 "the decode; kvpress side by side"),
     "eval": (add_eval_arguments, run_eval_from_args,
              "reasoning benchmarks (AIME24, MATH-500, GPQA, LiveCodeBench): pass@1 per policy and budget"),
     "serve": (add_serve_arguments, run_serve,

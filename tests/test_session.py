@@ -112,3 +112,24 @@ def test_generate_and_the_engine_bound_the_cache_and_keep_requests_independent(l
     done = engine.run([Request(p, 10) for p in ps])
     assert [len(c.token_ids) for c in done] == [10, 10, 10]
     assert engine.slot_capacity <= 4 + 32 + 16
+
+
+def test_a_short_row_of_a_ragged_chunk_fits_where_its_padding_would_not(llama) -> None:
+    # row 1 is nearly full; its one real token fits, the width of row 0's chunk would not
+    from beaconkv.cache import CacheCapacityError, KVCache
+
+    cache = KVCache.allocate(1, 2, 2, 4, 12, 8)
+    layer = cache[0]
+    k = torch.randn(2, 2, 10, 8)
+    layer.write_prefill(k[:, :, :2], k[:, :, :2], torch.arange(2).expand(2, 2), torch.tensor([[True, True], [True, True]]))
+    layer.write_chunk(k[1:, :, :9], k[1:, :, :9], torch.arange(2, 11)[None], torch.ones(1, 9, dtype=torch.bool),
+                      rows=torch.tensor([1]))
+    valid = torch.tensor([[True] * 6, [True] + [False] * 5])
+    positions = torch.stack([torch.arange(2, 8), torch.arange(11, 17)])
+    layer.write_chunk(k[:, :, :6], k[:, :, :6] * 2, positions, valid)
+    assert layer.length.tolist() == [8, 12]
+    assert layer.pos[1, 0].tolist() == list(range(12))
+    assert torch.equal(layer.keys()[1, :, 11], k[1, :, 0]) and torch.equal(layer.keys()[0, :, 2:8], k[0, :, :6])
+    with pytest.raises(CacheCapacityError, match="a chunk of 1 tokens after 12 held slots"):
+        layer.write_chunk(k[1:, :, :1], k[1:, :, :1], torch.tensor([[17]]), torch.ones(1, 1, dtype=torch.bool),
+                          rows=torch.tensor([1]))
