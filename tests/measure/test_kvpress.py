@@ -499,6 +499,12 @@ def test_kvpress_end_to_end_on_the_embedded_model() -> None:
     import beaconkv
 
     assert kvpress_versions()["kvpress"] == "0.5.5"
+    # run by path as a person would (no -I), the script's folder, which holds beaconkv's kvpress.py, must not
+    # shadow the kvpress package
+    plain = subprocess.run([str(KVPRESS_PYTHON), str(DRIVER), "--versions"], capture_output=True, text=True,
+                           timeout=300, check=True)
+    kvpress_file = Path(json.loads(plain.stdout.splitlines()[-1])["kvpress_file"])
+    assert kvpress_file.parts[-3:] == ("site-packages", "kvpress", "__init__.py"), kvpress_file
     path = beaconkv.embedded_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 6

@@ -429,7 +429,8 @@ def run_job(job: dict, out_path: Path) -> int:
 
 
 def versions() -> dict:
-    """The versions of python, torch, transformers and kvpress (None when one is not installed)."""
+    """The versions of python, torch, transformers and kvpress (None when one is not installed), and the file
+    ``import kvpress`` loads (``kvpress_file``: the package, not beaconkv's ``kvpress.py`` beside this script)."""
     from importlib import metadata
 
     found: dict[str, str | None] = {"python": sys.version.split()[0]}
@@ -438,6 +439,12 @@ def versions() -> dict:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             found[name] = None
+    try:
+        import kvpress
+
+        found["kvpress_file"] = kvpress.__file__
+    except ImportError:
+        found["kvpress_file"] = None
     return found
 
 
