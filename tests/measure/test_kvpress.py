@@ -263,6 +263,13 @@ def test_bad_settings_are_refused_before_anything_runs(tmp_path, kwargs, match) 
         run_kvpress(CASES, **{**args, **kwargs})
 
 
+def test_press_none_needs_no_decode_settings(fake_python, tmp_path) -> None:
+    """kvpress's model with no press, in mode decode: nothing to schedule, so no DecodingPress settings."""
+    run_kvpress(CASES[:1], press="none", compression_ratio=0.0, mode="decode", model_dir=tmp_path, python=fake_python)
+    job = _seen(tmp_path)["job"]
+    assert job["mode"] == "decode" and job["decode"] is None and validate_ok(job)
+
+
 def test_cases_are_checked_when_made() -> None:
     with pytest.raises(KvpressError, match="context_ids is empty"):
         KvpressCase("c", ())

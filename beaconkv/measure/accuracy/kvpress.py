@@ -268,6 +268,8 @@ def _check_settings(press: str, compression_ratio: float, mode: str, decode: dic
         if compression_ratio != 0:
             raise KvpressError(f"compression_ratio={compression_ratio} with mode='decode': kvpress's DecodingPress "
                                "sizes its compressions from decode['target_size']; pass compression_ratio=0")
+        if press == "none" and decode is None:
+            return  # nothing to schedule: the decode steps run uncompressed
         if decode is None or not {"compression_interval", "target_size"} <= set(decode):
             raise KvpressError(f"mode='decode' needs decode={{'compression_interval': N, 'target_size': M}}, got "
                                f"{decode!r}")
@@ -400,7 +402,7 @@ def run_kvpress(cases: Sequence[KvpressCase], *, press: str, compression_ratio: 
         python: kvpress's interpreter (default :func:`default_python`).
         threads: torch threads in the driver.
         decode: Mode ``"decode"``: ``{"compression_interval": N, "target_size": M}`` (kvpress's names;
-            ``hidden_states_buffer_size`` optional).
+            ``hidden_states_buffer_size`` optional); None with press ``"none"`` (nothing to schedule).
         timeout_s: Seconds the whole driver run may take (it is killed after that).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         press_kwargs: More parameters of kvpress's scorer press (e.g. ``{"window_size": 32}`` for SnapKV).

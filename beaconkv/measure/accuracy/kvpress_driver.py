@@ -99,7 +99,7 @@ def validate_job(job: Any) -> dict:
     fraction removed, in [0, 1); must be 0 in mode ``"decode"``, where ``DecodingPress`` sets its base
     press's ratio from ``target_size`` at each compression), ``mode`` (:data:`MODES`), ``decode`` (mode
     ``"decode"`` only: ``compression_interval`` and ``target_size``, optionally
-    ``hidden_states_buffer_size``), ``press_kwargs`` (optional: more parameters of the scorer press, e.g.
+    ``hidden_states_buffer_size``; may be left out with press ``"none"``), ``press_kwargs`` (optional: more parameters of the scorer press, e.g.
     ``{"window_size": 32}`` for SnapKV, the inner SnapKV under AdaKV), ``stop_ids`` (optional token ids
     that end an answer), ``attn_implementation`` (default ``"sdpa"``) and ``cases``: a list of
     ``{"id", "context_ids", "decode_ids", "question_ids", "max_new_tokens"}``.
@@ -142,15 +142,16 @@ def validate_job(job: Any) -> dict:
             raise JobError(f"compression_ratio={ratio!r} with mode='decode': DecodingPress sets its base press's "
                            "ratio from decode.target_size at each compression; pass compression_ratio=0")
         decode = out["decode"]
-        if not isinstance(decode, dict) or not {"compression_interval", "target_size"} <= decode.keys():
-            raise JobError(f"mode='decode' needs decode={{'compression_interval': N, 'target_size': M}}, "
-                           f"got {decode!r}")
-        for key, value in decode.items():
-            if key not in DECODE_KEYS:
-                raise JobError(f"decode.{key} is not a DecodingPress setting; use {', '.join(DECODE_KEYS)}")
-            floor = 0 if key == "hidden_states_buffer_size" else 1
-            if not isinstance(value, int) or isinstance(value, bool) or value < floor:
-                raise JobError(f"decode.{key}={value!r} must be an int >= {floor}")
+        if not (out["press"] == "none" and decode is None):  # press 'none' has nothing to schedule
+            if not isinstance(decode, dict) or not {"compression_interval", "target_size"} <= decode.keys():
+                raise JobError(f"mode='decode' needs decode={{'compression_interval': N, 'target_size': M}}, "
+                               f"got {decode!r}")
+            for key, value in decode.items():
+                if key not in DECODE_KEYS:
+                    raise JobError(f"decode.{key} is not a DecodingPress setting; use {', '.join(DECODE_KEYS)}")
+                floor = 0 if key == "hidden_states_buffer_size" else 1
+                if not isinstance(value, int) or isinstance(value, bool) or value < floor:
+                    raise JobError(f"decode.{key}={value!r} must be an int >= {floor}")
     elif out["decode"] is not None:
         raise JobError(f"decode={out['decode']!r} is given with mode='prefill', which compresses nothing after "
                        "the prefill; drop it or use mode='decode'")
