@@ -24,6 +24,10 @@ under R-KV's :class:`~beaconkv.policies.schedules.Buffered` or RPC's
 :class:`~beaconkv.policies.schedules.Periodic` schedule too; the scorer and the protection rules do not
 change.
 
+A prompt may also come in chunks (``prefill_chunk``): the policy then evicts after each chunk as after
+a decode step (:meth:`EvictionPolicy.after_chunk`), so the cache never holds the whole prompt; what each
+policy scores with there is in the specification (SPEC §5, "Prefill in chunks").
+
 Lifecycle, driven by :class:`beaconkv.session.Session` (for :func:`beaconkv.generate`, the engine and
 the fidelity study alike):
 

@@ -114,6 +114,11 @@ class BeaconKV(EvictionPolicy):
     The paper's ablations are one argument away: ``(n_beacon, n_recent)`` = (16, 16) default,
     (1, 31), (28, 4), (0, 32) ≈ RPC-like.
 
+    A prompt prefilled in chunks (``prefill_chunk``): each chunk's queries are folded into the
+    observation set (the FPS of every chunk so far, :meth:`observe_chunk`), and an eviction after a chunk
+    scores with beacons drawn from that set, rotated to the chunk's last position, plus the chunk's newest
+    queries as the recent set (SPEC §5, "Prefill in chunks").
+
     Example:
         ```python
         policy = BeaconKV(budget=2048, n_beacon=16, n_recent=16, aggregation="max")

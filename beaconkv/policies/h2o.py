@@ -36,7 +36,8 @@ class H2O(EvictionPolicy):
     Observes: the decode attention weights ``(batch, kv_heads, group, capacity)`` (so the attention
     layers take the explicit-softmax path, ``track_attention = True``). Prompt queries are not
     accumulated: prompt slots start at 0, which matters only when ``n_prefix`` leaves part of the
-    prompt evictable (**choice**; with the default prefix the prompt is never evicted).
+    prompt evictable (**choice**; with the default prefix the prompt is never evicted). A prompt prefilled
+    in chunks is therefore compressed to its newest tokens between chunks (ties keep the newer slot).
 
     State: ``state.layers[i]`` is layer ``i``'s accumulated-attention slot buffer ``(batch, kv_heads,
     capacity)``.

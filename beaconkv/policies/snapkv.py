@@ -27,7 +27,8 @@ class SnapKV(RecentWindowPolicy):
        the window averages only the slots that exist);
     5. mean over the query heads of the GQA group.
 
-    Observes: the query ring, ``query_window = window``.
+    Observes: the query ring, ``query_window = window``. A prompt prefilled in chunks (``prefill_chunk``) is
+    scored after each chunk with that chunk's own last ``window`` queries, over every key still held.
 
     Args:
         budget: ``B_max`` (see :class:`~beaconkv.policies.base.EvictionPolicy`).
