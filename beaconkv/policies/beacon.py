@@ -39,7 +39,7 @@ from .config import PolicyConfigError, check_choice, check_int, check_number
 from .lifecycles import BoundedObservation, QueryHistory, QueryLifecycle, ring_set
 from .query_set import QuerySet
 from .samplers import ContinualFPS, QuerySampler
-from .scoring import attention_probs, reduce_group, reduce_queries
+from .scoring import attention_probs, pool_slots, reduce_group, reduce_queries
 from .state import PolicyState
 
 AGGREGATIONS = ("max", "mean", "logsumexp")
@@ -108,6 +108,12 @@ class BeaconKV(EvictionPolicy):
         normalize: What each scoring query's softmax runs over: ``"cache"`` (every cached key, the
             paper's) or ``"evictable"`` (beyond the paper: the keys that may be evicted, as RPC does —
             the protected prefix, kept whatever happens, no longer absorbs the attention mass).
+        kernel: Pooling of the scores along the cache (odd; 1 = none, the paper's). Beyond the paper: a
+            fact a query looks up is a span of tokens (a number is one token per digit in many
+            tokenizers), and a query attends to its start more than to the rest, which copying needs as
+            much; pooling keeps neighbours of a high-scoring token together, as SnapKV's clustering does
+            (see docs/benchmarks.md, the accuracy suite).
+        pool: ``"max"`` or ``"avg"`` pooling (with ``kernel > 1``).
         n_recent: Keyword-only. Recent queries scored at their own positions; also the recent tokens
             always kept. The query buffer bound is ``B_max^Q = n_beacon + n_recent``.
 
@@ -135,6 +141,8 @@ class BeaconKV(EvictionPolicy):
     temperature: float = 0.1
     sampler: QuerySampler | None = None
     normalize: str = "cache"
+    kernel: int = 1
+    pool: str = "max"
 
     name: ClassVar[str] = "beacon"
     state_class: ClassVar[type[PolicyState]] = BeaconState
@@ -147,6 +155,10 @@ class BeaconKV(EvictionPolicy):
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_choice("normalize", self.normalize, NORMALIZATIONS)
         check_number("temperature", self.temperature, 0, open_low=True, hint="(default 0.1)")
+        check_int("kernel", self.kernel, 1, hint="(odd; 1 = no pooling, the default)")
+        if self.kernel % 2 == 0:
+            raise PolicyConfigError(f"kernel={self.kernel} must be odd (the window is centred on each slot).")
+        check_choice("pool", self.pool, ("max", "avg"))
         if self.n_beacon + self.n_recent < 1:
             raise PolicyConfigError("n_beacon + n_recent must be >= 1: nothing would observe the cache.")
         if self.sampler is None:
@@ -394,7 +406,7 @@ class BeaconKV(EvictionPolicy):
             keys = keys & (pos >= state.prefix_dev[rows][:, None, None])
         w = attention_probs(q_rot, q_mask, cache.keys(rows), keys, cache.head_dim**-0.5, q_pos, pos)
         per_head = reduce_queries(w, q_mask, self.aggregation, self.temperature)  # (b, kv_heads, group, C)
-        return reduce_group(per_head, self.aggregation, self.temperature)
+        return pool_slots(reduce_group(per_head, self.aggregation, self.temperature), self.kernel, self.pool)
 
     def observed_positions(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor,
                            t: Tensor) -> Tensor:

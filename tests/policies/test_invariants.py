@@ -26,9 +26,9 @@ from .driver import drive
 
 POLICIES = ["beacon", "initial_recent", "snapkv", "rpc", "rkv", "h2o", "streaming", "beacon_group", "beacon_event",
             "beacon_lse", "beacon_evictable", "beacon_memory", "beacon_lse_memory", "beacon_mean",
-            "expected_attention", "tova", "keydiff", "knorm", "lazy_eviction", "triattention"]
+            "expected_attention", "tova", "keydiff", "knorm", "lazy_eviction", "triattention", "beacon_pool"]
 BEACONS = {"beacon", "initial_recent", "beacon_group", "beacon_event", "beacon_lse", "beacon_evictable", "beacon_memory",
-           "beacon_lse_memory", "beacon_mean"}
+           "beacon_lse_memory", "beacon_mean", "beacon_pool"}
 
 
 @st.composite

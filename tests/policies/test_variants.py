@@ -7,11 +7,11 @@ import torch
 
 from beaconkv.cache import KVCache
 from beaconkv.models.rope import RotaryEmbedding
-from beaconkv.policies import BeaconKV, EventBeaconKV, GroupBeaconKV, MemoryBeaconKV, make_policy
+from beaconkv.policies import BeaconKV, EventBeaconKV, GroupBeaconKV, MemoryBeaconKV, PolicyConfigError, make_policy
 from beaconkv.policies.registry import policy_defaults
 from beaconkv.policies.scoring import reduce_group, reduce_queries
 
-from .driver import bind, drive
+from .driver import bind, drive, drive_hand, kept
 
 
 def _kept(state):
@@ -123,3 +123,38 @@ def test_event_refresh_takes_in_a_far_looking_query_and_ignores_a_local_one():
     torch.testing.assert_close(events.q[0, 1, 0], event_q)
     assert not events.valid[0, 0].any() and int(state.flagged[0]) == 1
     assert policy.held_queries(state)[0] == BeaconKV.held_queries(policy, state)[0] + 2
+
+
+def test_pooled_beacon_scores_keep_a_span_around_what_a_query_looks_at():
+    # one beacon query looks at position 40 only; unpooled, its neighbours score ~0 and go; max-pooled over
+    # 7 slots, positions 37..43 score as 40 does and all stay (a number's digits after its lead-in)
+    from beaconkv.policies.scoring import pool_slots
+
+    scores = torch.zeros(1, 1, 64)
+    scores[0, 0, 40] = 1.0
+    pooled = pool_slots(scores, 7, "max")[0, 0]
+    assert pooled[37:44].tolist() == [1.0] * 7 and float(pooled[:37].sum() + pooled[44:].sum()) == 0.0
+    policy = make_policy("beacon_pool", 128)
+    assert (policy.kernel, policy.pool) == (7, "max") and policy_defaults("beacon_pool")["kernel"] == 7
+    assert make_policy("beacon", 128).kernel == 1  # the paper's: no pooling
+    with pytest.raises(PolicyConfigError, match="kernel=4 must be odd"):
+        make_policy("beacon", 128, kernel=4)
+    with pytest.raises(PolicyConfigError, match="pool"):
+        make_policy("beacon", 128, kernel=3, pool="median")
+
+
+def test_a_pooled_beacon_eviction_keeps_the_neighbours_of_the_looked_at_key():
+    # hand-made keys: every key 0 except position 20, which the (unrotated) beacon query e0 attends to
+    def keys_at(p, h):
+        k = torch.zeros(8)
+        if p == 20:
+            k[0] = 8.0
+        return k
+
+    kept_sets = {}
+    for kernel in (1, 7):
+        layer = drive_hand(BeaconKV(32, n_beacon=2, n_recent=4, n_prefix=2, kernel=kernel), 60, keys_at, steps=0)
+        kept_sets[kernel] = set(kept(layer, 0))
+    assert 20 in kept_sets[1] and 20 in kept_sets[7]
+    assert set(range(17, 24)) <= kept_sets[7]
+    assert not set(range(17, 24)) - {20} <= kept_sets[1]
