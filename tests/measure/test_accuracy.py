@@ -174,3 +174,22 @@ def test_the_quick_suite_runs_from_the_command_line(tmp_path: Path, capsys) -> N
     full = [r for r in rows if r["policy"] == "full"]
     assert len(full) == 3 and all(r["accuracy"] >= 0.9 for r in full), full  # FullKV answers these
     assert (tmp_path / "accuracy.png").exists()
+
+
+def test_kvpress_settings_translate_a_cell_to_the_same_kept_count() -> None:
+    from beaconkv.measure.accuracy.compare import kvpress_settings
+    from beaconkv.measure.accuracy.suite import Cell
+    from beaconkv.measure.accuracy.tasks import Case, TokenizedCase
+
+    case = TokenizedCase(Case("passkey", 0, 1000, 0.5, "", "", "", ("1",), 10), tuple(range(1000)), (), tuple(range(12)))
+    reference = make_policy("beacon", budget=256, n_prefix=4)
+    aware = kvpress_settings(Cell("kvpress", "passkey", 1000, "aware", "snapkv", 256, 4.0), reference, case)
+    assert aware["mode"] == "prefill" and int(1012 * (1 - aware["compression_ratio"])) == 4 + 224
+    agnostic = kvpress_settings(Cell("kvpress", "passkey", 1000, "agnostic", "snapkv", 256, 4.0), reference, case)
+    assert int(1000 * (1 - agnostic["compression_ratio"])) == 4 + 224
+    decoding = TokenizedCase(case.case, tuple(range(40)), tuple(range(500)), tuple(range(12)))
+    dec = kvpress_settings(Cell("kvpress", "decode_needle", 500, "decode", "snapkv", 256, 4.0), reference, decoding)
+    assert dec["decode"] == {"compression_interval": 32, "target_size": 4 + 224}
+    assert dec["press_kwargs"] == {"window_size": 31}  # kvpress needs its window inside the interval
+    none = kvpress_settings(Cell("kvpress", "decode_needle", 500, "decode", "none", None, None), None, decoding)
+    assert none["decode"] is None and none["compression_ratio"] == 0.0

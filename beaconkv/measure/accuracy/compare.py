@@ -33,7 +33,8 @@ def kvpress_settings(cell: Any, reference: Any, case: TokenizedCase) -> dict[str
         if reference is None:
             return {"mode": "decode", "compression_ratio": 0.0, "decode": None, "press_kwargs": None}
         interval = reference.budget - reference.b_min
-        decode = {"compression_interval": interval, "target_size": reference.n_prefix + reference.b_min}
+        prefix = reference.prefix_lengths([len(case.context_ids)])[0]  # an int n_prefix (the suite's), or the prompt
+        decode = {"compression_interval": interval, "target_size": prefix + reference.b_min}
         kwargs = {"window_size": min(32, interval - 1)} if cell.policy in ("snapkv", "adakv-snapkv") else None
         return {"mode": "decode", "compression_ratio": 0.0, "decode": decode, "press_kwargs": kwargs}
     prompt = len(case.context_ids) + (len(case.question_ids) if cell.protocol == "aware" else 0)
@@ -70,8 +71,9 @@ def run_kvpress_cell(config: Any, cell: Any, cases: Sequence[TokenizedCase], mod
     outcomes: dict[int, dict[str, Any]] = {}
     for key, group in groups.items():
         s = settings[key]
+        first = _kvpress_case(cell, group[0])
         note = unsupported_reason(press, s["mode"], decode=s["decode"], press_kwargs=s["press_kwargs"],
-                                  context_len=len(group[0].context_ids))
+                                  context_len=len(first.context_ids))
         results = run_kvpress([_kvpress_case(cell, c) for c in group], press=press, python=config.kvpress_python
                               and Path(config.kvpress_python), model_dir=model_dir, **s)
         for case, result in zip(group, results):
