@@ -53,6 +53,7 @@ from .measure.accuracy.cli import add_accuracy_arguments, run_accuracy
 from .measure.analysis import add_analyze_arguments, run_analyze
 from .measure.fidelity.cli import add_fidelity_arguments, run_fidelity
 from .measure.lengths import add_lengths_arguments, run_lengths
+from .measure.memory import add_memory_arguments, run_memory
 from .measure.speed.cli import add_bench_arguments, run_bench
 from .models.decoder import CausalLM
 from .models.loading import load_model, resolve_device, resolve_dtype
@@ -86,6 +87,8 @@ TOOLS: dict[str, tuple[Callable[[argparse.ArgumentParser], object], Callable[[ar
     "lengths": (add_lengths_arguments, run_lengths,
                 "the length effect: how long each policy and budget writes to end of sequence, vs FullKV"),
     "bench": (add_bench_arguments, run_bench, "decode speed, bandwidth and memory benchmark"),
+    "memory": (add_memory_arguments, run_memory,
+               "the memory each policy needs and the largest batch that fits a device, from the config alone"),
     "accuracy": (add_accuracy_arguments, run_accuracy,
                  "long-context accuracy under compression: passkey, needles, variable tracking, the needle in "
                  "the decode; kvpress side by side"),

@@ -6,4 +6,6 @@
   and the beacons BeaconKV held when they arrived (``beaconkv analyze``);
 * :mod:`beaconkv.measure.speed` — decode speed, bandwidth and memory, and the paper's Table 4
   (``beaconkv bench``).
+* :mod:`beaconkv.measure.memory` — the memory each policy needs and the largest batch that fits a
+  device, from the model's config alone (``beaconkv memory``).
 """
