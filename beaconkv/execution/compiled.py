@@ -42,6 +42,11 @@ CPU_GEMV_LIMITS = {"cpu_max_other_dimension_decomposition": 1 << 20}
 """Size limits of inductor's ``decompose_mm_pass`` on CPU with :attr:`CompileConfig.cpu_gemv`: any matrix
 side (an LM head's vocabulary included), batch 1 only (the pass's default)."""
 
+STRATEGIES = ("auto", "graphs", "compile")
+"""The values of :attr:`CompileConfig.strategy`."""
+RECORDERS = ("cuda", "op_replay")
+"""The values of :attr:`CompileConfig.recorder`."""
+
 RECOMPILE_LIMIT = 64
 """Most graphs one compiled function may hold (shapes, dtypes, models, policies) before
 :class:`CompileError` is raised instead of dynamo's silent fallback to eager."""
@@ -63,6 +68,16 @@ class CompileConfig:
     """How :func:`beaconkv.generate` compiles its device work (``compile=True`` uses the defaults).
 
     Attributes:
+        strategy: How the device work runs. ``"graphs"``: the eager functions recorded as CUDA graphs and
+            replayed (:class:`~beaconkv.execution.GraphExecutor`; no ``torch.compile``, no code generation: a
+            decode step records in about the time of two eager steps, where inductor's compile of a 4B
+            model's step and eviction took minutes). ``"compile"``: ``torch.compile`` with the settings below
+            (:class:`CompiledExecutor`). ``"auto"`` (the default): ``"graphs"`` on CUDA unless this config asks
+            ``torch.compile`` for something (a backend other than inductor, a ``mode``, ``freezing``,
+            ``regions`` or ``layerwise``), ``"compile"`` on every other device. Inductor stays one setting
+            away (``CompileConfig(strategy="compile")``, inductor's CUDA graphs with ``mode="reduce-overhead"``,
+            ``regions=True`` to compile one layer); it becomes the CUDA default when it measures faster
+            (``python -m beaconkv.measure.speed.graph_decode`` compares them; not yet measured on a GPU).
         backend: ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` checks tracing quickly).
         mode: ``torch.compile`` mode; None = ``"reduce-overhead"`` (CUDA graphs) on CUDA, inductor's
             default elsewhere.
@@ -110,8 +125,18 @@ class CompileConfig:
             32 calls. Measured on the embedded model (2-core AMD EPYC, fp32, 1 thread, BeaconKV budget 64,
             one process alternating): 25.1 ms/step against 26.6 through the wrapper, the same tokens. A call
             no graph serves (and every call under CUDA graphs) goes through the wrapper, which compiles.
+        cache_dir: Where inductor keeps its compiled graphs on disk, so that the next process only loads them
+            (``TORCHINDUCTOR_CACHE_DIR`` for this process, set when the first executor with this config is made;
+            None leaves it as it is: by default a folder under the system's temporary directory). See
+            :mod:`beaconkv.execution.compile_cache` for carrying the artifacts to another machine. The graph
+            strategy compiles nothing and ignores it.
+        recorder: What records the graph strategy's graphs: ``"cuda"`` (``torch.cuda.CUDAGraph``; CUDA only) or
+            ``"op_replay"`` (:class:`~beaconkv.execution.OpReplayRecorder`: the recorded operations replayed with a
+            CUDA graph's semantics on any device — slow, for checking on a CPU that a policy replays correctly,
+            and for the GPU check's CPU rehearsal).
     """
 
+    strategy: str = "auto"
     backend: str = "inductor"
     mode: str | None = None
     freezing: bool | None = None
@@ -122,11 +147,29 @@ class CompileConfig:
     layer_block: int = 1
     cpu_gemv: bool = True
     direct_calls: bool = True
+    cache_dir: str | None = None
+    recorder: str = "cuda"
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_block, bool) or not isinstance(self.layer_block, int) or self.layer_block < 1:
             raise ValueError(f"layer_block={self.layer_block!r} must be a positive int: the most decoder layers "
                              "per graph of a layerwise decode step (1, the default, compiles fastest).")
+        if self.recorder not in RECORDERS:
+            raise ValueError(f"recorder={self.recorder!r} is not one of {', '.join(map(repr, RECORDERS))}: 'cuda' "
+                             "records CUDA graphs, 'op_replay' replays recorded operations on any device (checks).")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} is not one of {', '.join(map(repr, STRATEGIES))}: 'graphs' "
+                             "records the eager step as CUDA graphs, 'compile' runs torch.compile, 'auto' picks.")
+
+    def strategy_on(self, device: torch.device | str) -> str:
+        """The strategy that runs on ``device``: ``"graphs"`` or ``"compile"`` (see :attr:`strategy`)."""
+        if self.strategy != "auto":
+            return self.strategy
+        if torch.device(device).type != "cuda":
+            return "compile"
+        asks_compile = (self.backend != "inductor" or self.mode is not None or self.freezing or self.regions
+                        or self.layerwise is not None)
+        return "compile" if asks_compile else "graphs"
 
     def decode_shape(self, device: torch.device) -> str:
         """How the decode step compiles on ``device``: ``"layers"`` (a graph per block of layers, called from
@@ -172,8 +215,13 @@ class CompileConfig:
         return kwargs
 
     def cuda_graphs(self, device: torch.device) -> bool:
-        """Whether the compiled steps replay as CUDA graphs on ``device``."""
-        if device.type != "cuda" or self.backend != "inductor":
+        """Whether the steps replay as CUDA graphs on ``device``: recorded from the eager code (the graph
+        strategy), or compiled by inductor with ``mode="reduce-overhead"``."""
+        if device.type != "cuda":
+            return False
+        if self.strategy_on(device) == "graphs":
+            return True
+        if self.backend != "inductor":
             return False
         return (self.mode if self.mode is not None else "reduce-overhead") == "reduce-overhead"
 
@@ -344,6 +392,10 @@ class CompiledExecutor(Executor):
     def __init__(self, config: CompileConfig, device: torch.device | str) -> None:
         super().__init__()
         check_compile_available()
+        if config.cache_dir is not None:
+            from .compile_cache import set_compile_cache_dir
+
+            set_compile_cache_dir(config.cache_dir)
         self.config, self.device = config, torch.device(device)
         self.cuda_graphs = config.cuda_graphs(self.device)
         self.layerwise = (not self.cuda_graphs) if config.layerwise is None else config.layerwise
@@ -408,16 +460,24 @@ class CompiledExecutor(Executor):
 def make_executor(compile: bool | CompileConfig | None, device: torch.device | str) -> tuple[Executor, Executor]:
     """The executors ``generate(..., compile=...)`` asks for: ``(decode step's, policies')``.
 
-    Eager for False/None; compiled otherwise, the policies' too unless :attr:`CompileConfig.policy`
-    is False.
+    Eager for False/None. Otherwise the strategy :meth:`CompileConfig.strategy_on` the device says: a
+    :class:`~beaconkv.execution.GraphExecutor` (CUDA graphs recorded from the eager code: the CUDA default)
+    or a :class:`CompiledExecutor` (``torch.compile``: the default everywhere else) — the policies' too unless
+    :attr:`CompileConfig.policy` is False.
 
     Raises:
         TypeError: ``compile`` is not a bool or a :class:`CompileConfig`.
-        CompileError: Compilation is asked for and ``torch.compile`` is unavailable.
+        CompileError: Compilation is asked for and ``torch.compile`` is unavailable, or CUDA graphs are asked
+            for on a device without them (:class:`~beaconkv.execution.GraphCaptureError`).
     """
     config = resolve_compile_config(compile)
     if config is None:
         eager = EagerExecutor()
         return eager, eager
-    decode = CompiledExecutor(config, device)
+    if config.strategy_on(device) == "graphs":
+        from . import graphs  # it imports this module (its error derives from CompileError)
+
+        decode: Executor = graphs.GraphExecutor(graphs.graph_recorder(device, config.recorder))
+    else:
+        decode = CompiledExecutor(config, device)
     return decode, (decode if config.policy else EagerExecutor())

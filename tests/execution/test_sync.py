@@ -8,12 +8,13 @@ sync cannot hide until a GPU is lent; on a GPU CUDA's own sync debug mode is arm
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 
 import beaconkv
-from beaconkv.execution import CompileConfig
+from beaconkv.execution import CompileConfig, GraphExecutor
 from beaconkv.execution.sync import HostSyncError, no_host_sync
 from beaconkv.policies import Buffered, EvictionPolicy, Periodic, make_policy
 from beaconkv.policies.registry import policy_names, policy_parameters
@@ -80,27 +81,37 @@ SYNC_POLICIES = [*policy_names(), "rpc@rpc", "rkv@rkv"]  # "@": the policy's own
 # compiled, the host code around the graphs is the executor's and the policy's own (the same for every
 # policy, checked eagerly for each): one representative per observation kind and schedule, and int8 once
 SYNC_COMPILED = ["full", "beacon", "snapkv", "h2o", "rpc@rpc", "rkv@rkv"]
+GRAPHS = CompileConfig(strategy="graphs")  # recorded CUDA graphs of the eager code (the op-replay recorder on a CPU)
 SYNC_CASES = ([(name, None, storage) for name in SYNC_POLICIES for storage in ("dense", "int8")]
-              + [(name, TRACE, "dense") for name in SYNC_COMPILED] + [("beacon", TRACE, "int8")])
+              + [(name, TRACE, "dense") for name in SYNC_COMPILED] + [("beacon", TRACE, "int8")]
+              + [(name, GRAPHS, "dense") for name in SYNC_COMPILED] + [("beacon", GRAPHS, "int8")])
+_LABELS = {None: "eager", TRACE: "aot_eager", GRAPHS: "graphs"}
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("name", "compile_config", "kv_storage"), SYNC_CASES,
-                         ids=[f"{n}-{'eager' if c is None else 'aot_eager'}-{k}" for n, c, k in SYNC_CASES])
+                         ids=[f"{n}-{_LABELS[c]}-{k}" for n, c, k in SYNC_CASES])
 def test_decode_and_eviction_never_wait_for_the_device(tiny_models, llama, name, compile_config, kv_storage, device,
                                                       monkeypatch):
     """Every decode step and every eviction (rows, counts, positions, scores, compaction) of every registered
     policy (and RPC's and R-KV's own schedules), on dense and int8 storage, eager and compiled, runs with no
     operation that would make the host wait for the device: on the CPU a dispatch mode refuses them
     (.item(), bool(t), nonzero, mask indexing, unique, device-to-host copies...), so a sync cannot hide
-    until a GPU is lent; on a GPU CUDA's own sync debug mode fails on any stream synchronisation as well."""
+    until a GPU is lent; on a GPU CUDA's own sync debug mode fails on any stream synchronisation as well.
+    Under the graph strategy (CUDA graphs recorded from the eager code) the recordings and every replay are
+    checked too: a recording synchronises once per shape by itself (torch.cuda.graph's own), the replays never."""
     model = llama if device == "cpu" else beaconkv.load_model(tiny_models["llama"][0], device=device)
     base, _, cadence = name.partition("@")
     own = {"rpc": {"schedule": Periodic(period=16), "budget": None, "window": 4},
            "rkv": {"schedule": Buffered(buffer=8), "budget": 32}}
     policy = _sync_policy(base, **own.get(cadence, {}))
-    if compile_config is not None:
+    graphs = compile_config is GRAPHS
+    if graphs and device == "cpu":
+        # the recorder that replays with a CUDA graph's semantics on a CPU: its recordings refuse a host wait
+        # themselves, and its replays run every operation again under the guard
+        compile_config = dataclasses.replace(GRAPHS, recorder="op_replay")
+    elif compile_config is not None and not graphs:
         # dynamo runs no frame under a dispatch mode: the graphs run (and compile) outside the guard —
         # fullgraph=True already refuses a sync inside a graph — and the guard checks the host code around them
         run_graphs_outside_dispatch_modes(monkeypatch)
@@ -109,6 +120,9 @@ def test_decode_and_eviction_never_wait_for_the_device(tiny_models, llama, name,
     assert evictions == [0, 0] if base == "full" else min(evictions) >= 1, evictions
     if compile_config is not None and base != "full":
         assert session.state.executor.compiled
+    if graphs:
+        executor = session.state.executor
+        assert isinstance(executor, GraphExecutor) and executor.replays >= SYNC_STEPS - 2
 
 
 def test_the_sync_guard_catches_each_kind_of_host_wait():
