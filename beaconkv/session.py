@@ -31,6 +31,7 @@ from .execution import CompileConfig, make_executor, resolve_compile_config
 from .models.decoder import CausalLM, decode_layers
 from .observation import LayerObserver
 from .policies.base import EvictionPolicy, FullKV
+from .policies.driver import PolicyDriver
 from .preparation import PreparedModel
 from .sampling import RowSampling, sample_rows
 from .storage import KVStorage
@@ -120,7 +121,9 @@ class Session:
     Attributes:
         model: The model the session runs.
         cache: The cache.
-        state: The policy's state (its :attr:`~beaconkv.policies.state.PolicyState.observers` see every
+        driver: The :class:`~beaconkv.policies.PolicyDriver` running the policy over the cache (rows,
+            schedule, evictions).
+        state: The policy's state, ``driver.state`` (its :attr:`~beaconkv.policies.state.PolicyState.observers` see every
             layer's queries).
         observers: What the decode step hands each layer to report to: the state's observer of that
             layer, or None where it observes nothing during decoding (None: no layer).
@@ -149,8 +152,9 @@ class Session:
             cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.num_attention_heads, capacity, cfg.head_dim,
             dtype=model.dtype, device=self.device, storage=kv_storage, storage_dtype=cache_dtype,
         )
-        self.state = self.policy.create_state(self.cache, model.rope, policy_executor, max_tokens=max_tokens,
-                                              query_window=query_window)  # no row admitted yet
+        self.driver = PolicyDriver(self.policy, self.cache, model.rope, policy_executor, max_tokens=max_tokens,
+                                   query_window=query_window)  # no row admitted yet
+        self.state = self.driver.state
         watched = tuple(o if o.observes_decode else None for o in self.state.observers)
         self.observers: Observers = watched if any(o is not None for o in watched) else None
         self.decoder.prepare(self.cache, self.state)
@@ -207,7 +211,7 @@ class Session:
     # ------------------------------------------------------------------------------- rows
     def admit(self, rows: Sequence[int], prompt_lengths: Sequence[int]) -> None:
         """Starts ``rows`` for prompts of these lengths (before their prefill; see :meth:`prefill`)."""
-        self.policy.admit(self.state, list(rows), list(prompt_lengths))
+        self.driver.admit(list(rows), list(prompt_lengths))
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int] | None = None,
@@ -241,7 +245,7 @@ class Session:
             self.after_prefill(rows)
             return logits
         firsts = [p[:chunk] for p in prompts]
-        self.policy.admit(self.state, rows, lengths, written=[len(f) for f in firsts])
+        self.driver.admit(rows, lengths, written=[len(f) for f in firsts])
         logits = self._write(firsts, rows, start=None)
         self.after_prefill(rows)
         for begin in range(chunk, max(lengths), chunk):
@@ -256,7 +260,7 @@ class Session:
         The tokens take the positions after each row's newest and attend over every token the cache
         still holds (:meth:`~beaconkv.models.CausalLM.extend`); the policy sees their queries
         (:meth:`~beaconkv.policies.EvictionPolicy.observe_chunk`) and evicts the rows now due
-        (:meth:`~beaconkv.policies.EvictionPolicy.after_chunk`). A prompt's later chunks come this way,
+        (:meth:`~beaconkv.policies.PolicyDriver.after_chunk`). A prompt's later chunks come this way,
         and so does a question asked on a cache that holds a compressed context (kvpress's protocol:
         compress the context without the question, then ask).
 
@@ -279,7 +283,7 @@ class Session:
             raise ValueError(f"rows {idle} are not live: prefill them first (extend continues a row's tokens).")
         logits = self._write(tokens, rows, start=[self.state.t[b] + 1 for b in rows])
         t0 = time.perf_counter()
-        self.policy.after_chunk(self.state, rows, [len(t) for t in tokens])
+        self.driver.after_chunk(rows, [len(t) for t in tokens])
         self.policy_s += time.perf_counter() - t0
         return logits
 
@@ -300,12 +304,12 @@ class Session:
         """The policy's work once the prompts of ``rows`` are written (:meth:`prefill` calls it; a caller
         that writes the prompts itself — a :class:`~beaconkv.cache_stack.CacheStack` — calls it after)."""
         t0 = time.perf_counter()
-        self.policy.after_prefill(self.state, list(rows))
+        self.driver.after_prefill(list(rows))
         self.policy_s += time.perf_counter() - t0
 
     def release(self, rows: Sequence[int]) -> None:
         """Ends ``rows``: they stop decoding, evicting and counting; the next admission reuses their slots."""
-        self.policy.release(self.state, list(rows))
+        self.driver.release(list(rows))
 
     # ------------------------------------------------------------------------------- decode
     @torch.inference_mode()
@@ -370,5 +374,5 @@ class Session:
         """The policy's between-step work and the positions' advance, after a decode step wrote a token
         in every live row (:meth:`step` calls it; a caller that decodes through a stack calls it after)."""
         t0 = time.perf_counter()
-        self.policy.after_decode_step(self.state)
+        self.driver.after_decode_step()
         self.policy_s += time.perf_counter() - t0  # the policy's state advanced every live row's position

@@ -244,8 +244,8 @@ VALUE_NORM = '''
             if self.scale <= 0:
                 raise PolicyConfigError(f"scale={self.scale} must be > 0.")
 
-        def score(self, state, layer_state, cache, rows, t):
-            return cache.values(rows).float().norm(dim=-1) * self.scale   # (b, kv_heads, capacity)
+        def score(self, layer, rows, t):
+            return layer.values(rows).float().norm(dim=-1) * self.scale   # (b, kv_heads, capacity)
 
 
     class NotAPolicy:

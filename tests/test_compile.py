@@ -22,6 +22,7 @@ from beaconkv.execution import compiled as compiled_module
 from beaconkv.execution.compiled import COMPILE_TAKES_RECOMPILE_LIMIT, resolve_compile_config
 from beaconkv.policies import H2O, BeaconKV, EvictionPolicy, PolicyState, SnapKV, make_policy
 from beaconkv.policies.beacon import _select_queries
+from beaconkv.policies.driver import evict_layer
 
 TRACE = CompileConfig(backend="aot_eager")
 BUDGET = 128  # the smallest budget with n_recent = 16: an eviction every 16 steps
@@ -86,8 +87,8 @@ class DecayedAttention(EvictionPolicy):
         if running is state.layers[0]:
             state.observed.add_(1)
 
-    def score(self, state, running, cache, rows, t):
-        return running[rows] / state.observed[rows].clamp(min=1)[:, None, None]
+    def score(self, layer, rows, t):
+        return layer.layer_state[rows] / layer.state.observed[rows].clamp(min=1)[:, None, None]
 
 
 @pytest.mark.parametrize("config", [pytest.param(CompileConfig(), marks=pytest.mark.long), TRACE], ids=["inductor", "aot_eager"])
@@ -135,7 +136,7 @@ def test_one_eviction_graph_serves_every_layer(llama):
     class FreshBeaconKV(BeaconKV):  # a new type: no graph compiled for it yet
         pass
 
-    code = EvictionPolicy.evict_layer.__code__
+    code = evict_layer.__code__
     before = len(_debug_get_cache_entry_list(code))
     out = beaconkv.generate(llama, None, _prompts(), max_new_tokens=BUDGET + 20, eos_token_ids=[],
                             policy=FreshBeaconKV(BUDGET), compile=TRACE)
@@ -183,10 +184,10 @@ def test_beacon_maintenance_sampler_call_is_one_graph_for_all_layers(llama):
 class _HostSyncPolicy(SnapKV):
     """A policy whose score reads the device: it cannot be one graph."""
 
-    def score(self, state, layer_state, cache, rows, t):
-        if int(cache.length.max()) < 0:  # a host sync
+    def score(self, layer, rows, t):
+        if int(layer.cache.length.max()) < 0:  # a host sync
             raise AssertionError
-        return super().score(state, layer_state, cache, rows, t)
+        return super().score(layer, rows, t)
 
 
 def test_a_graph_break_raises_a_clear_error(llama):
@@ -252,8 +253,8 @@ def test_cuda_graphs_greedy_tokens_equal_eager(tiny_models, graph_shape, name):
     assert _kept(compiled) == _kept(eager)
     if name == "beacon":
         assert compiled.stats.compiled_evictions == 2 and eager.stats.evictions == [2, 2]
-        assert compiled.policy_state.executor.calls["EvictionPolicy.evict_all_layers"] == 2
-        assert "EvictionPolicy.evict_layer" not in compiled.policy_state.executor.calls
+        assert compiled.policy_state.executor.calls["evict_all_layers"] == 2
+        assert "evict_layer" not in compiled.policy_state.executor.calls
 
 
 def test_one_graph_over_all_layers_gives_the_layerwise_tokens_and_kept_positions(llama):
@@ -265,8 +266,8 @@ def test_one_graph_over_all_layers_gives_the_layerwise_tokens_and_kept_positions
                               compile=dataclasses.replace(TRACE, layerwise=False))
     assert whole.token_ids == layerwise.token_ids and _kept(whole) == _kept(layerwise)
     calls = whole.policy_state.executor.calls
-    assert calls["EvictionPolicy.evict_all_layers"] == whole.stats.compiled_evictions > 0
-    assert "EvictionPolicy.evict_layer" not in calls
+    assert calls["evict_all_layers"] == whole.stats.compiled_evictions > 0
+    assert "evict_layer" not in calls
 
 
 @pytest.mark.cuda

@@ -103,8 +103,8 @@ def test_prefill_decode_eviction_and_admission_keep_every_tensor_on_the_device(m
 class _HostIndexSnapKV(SnapKV):
     """A policy bug that only a GPU would show: a host tensor in the score."""
 
-    def score(self, state, layer_state, cache, rows, t):
-        scores = super().score(state, layer_state, cache, rows, t)
+    def score(self, layer, rows, t):
+        scores = super().score(layer, rows, t)
         return scores + torch.zeros(scores.shape[-1])  # no device=: a host tensor
 
 

@@ -13,7 +13,7 @@ from beaconkv.cache import CacheCapacityError, KVCache
 from beaconkv.cache_stack import CacheStack
 from beaconkv.measure.fidelity.lockstep import WeightCapture
 from beaconkv.observation import LayerObserver, ModelObserver
-from beaconkv.policies import H2O, BeaconKV, SnapKV
+from beaconkv.policies import H2O, BeaconKV, PolicyDriver, SnapKV
 from beaconkv.policies.observer import ObservedLayer, ObserverRows
 from beaconkv.sampling import RowSampling, SamplingParams
 from beaconkv.session import Session
@@ -125,8 +125,9 @@ def test_a_policy_observers_ring_holds_the_last_prompt_queries_and_each_decode_q
 def test_a_released_row_writes_no_query_position():
     policy = SnapKV(8, window=2, n_recent=1)
     cache = KVCache.allocate(1, 2, 1, 2, 12, 4)
-    state = policy.create_state(cache, rope=None)
-    policy.admit(state, [0], [3])  # row 1 never admitted: it does not decode
+    driver = PolicyDriver(policy, cache, rope=None)
+    state = driver.state
+    driver.admit([0], [3])  # row 1 never admitted: it does not decode
     observer = state.observers[0]
     observer.decode(torch.randn(2, 2, 1, 4), torch.tensor([3, 7]), None)
     assert observer.ring_buffer.query_pos[:, 1].tolist() == [3, -1]

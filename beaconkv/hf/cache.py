@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from ..cache import KVCache
-from ..policies import EvictionPolicy, FullKV
+from ..policies import EvictionPolicy, FullKV, PolicyDriver
 from ..policies.state import PolicyState
 from .attention import attend_with_sinks, use_policy_attention
 from .chunk_forward import ChunkedForward
@@ -132,6 +132,7 @@ class PolicyCache(Cache):
         self.rope = HFRotary(model.get_decoder().rotary_emb, self.head_dim)
         use_policy_attention(model)
         install_hooks(model, PolicyCache)
+        self.driver: PolicyDriver | None = None
         self.state: PolicyState | None = None
         self.store: KVCache | None = None
         self.seen = 0
@@ -220,10 +221,10 @@ class PolicyCache(Cache):
             self.on_written(self)
         if self._phase == "prefill":
             self.seen += self._prompt_columns
-            self.policy.after_prefill(self.state, list(range(self.store.batch)))
+            self.driver.after_prefill(list(range(self.store.batch)))
         elif self._phase == "decode":
             self.seen += 1
-            self.policy.after_decode_step(self.state)
+            self.driver.after_decode_step()
         else:
             piece = self._chunks.current.piece
             self.seen += piece.end - piece.begin
@@ -319,7 +320,7 @@ class PolicyCache(Cache):
     def reset(self) -> None:
         """Forgets the generation: the next forward is a new prefill."""
         super().reset()
-        self.state, self.store, self.seen, self._phase, self.observers = None, None, 0, None, []
+        self.driver, self.state, self.store, self.seen, self._phase, self.observers = None, None, None, 0, None, []
         self._chunks, self.splitting = None, False
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -355,11 +356,12 @@ class PolicyCache(Cache):
         with torch.inference_mode(False):  # plain tensors: a context prefilled under inference_mode, then generate
             self.store = KVCache.allocate(len(self._index), batch, self.n_kv_heads, self.n_heads, capacity,
                                           self.head_dim, dtype=self.dtype, device=device)
-            self.state = self.policy.create_state(self.store, self.rope, max_tokens=longest + new)
+            self.driver = PolicyDriver(self.policy, self.store, self.rope, max_tokens=longest + new)
+            self.state = self.driver.state
         self.observers = list(self.state.observers)
         chunk = self.prefill_chunk
         written = None if chunk is None else [min(n, chunk) for n in lengths]  # a chunked prompt: its first chunk
-        self.policy.admit(self.state, list(range(batch)), lengths, written=written)
+        self.driver.admit(list(range(batch)), lengths, written=written)
         self._new_tokens, self._prompt_columns = new, n_tokens
         # the prompt's valid columns first, in order: left (or any) padding packed to the right
         self._order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
@@ -396,7 +398,7 @@ class PolicyCache(Cache):
                         f"(the cache numbers each row's real tokens) but the model rotates it at "
                         f"{used[r.row][wrong[0]]}: pass position_ids counting each row's real tokens (generate does: "
                         "the attention mask's cumulative sum less one).")
-        self._chunks = ChunkedForward(pieces, self.store, self.observers, self.policy, self.state, self.rope.layout)
+        self._chunks = ChunkedForward(pieces, self.store, self.observers, self.driver, self.rope.layout)
         self._phase = "chunk"
         return self._chunks.columns
 

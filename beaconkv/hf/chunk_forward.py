@@ -15,8 +15,8 @@ pieces (:func:`~beaconkv.hf.chunks.plan_pieces`), each one model call; in each p
    neighbours were cut there) is kept until it is whole, then observed at once, as the native session does.
 
 After the piece, the policy acts for the rows whose chunk ended there
-(:meth:`~beaconkv.policies.EvictionPolicy.after_prefill` for a first chunk,
-:meth:`~beaconkv.policies.EvictionPolicy.after_chunk` for the others): its bookkeeping, then the evictions
+(:meth:`~beaconkv.policies.PolicyDriver.after_prefill` for a first chunk,
+:meth:`~beaconkv.policies.PolicyDriver.after_chunk` for the others): its bookkeeping, then the evictions
 due, so the next chunk finds room. Eager work: every piece reads the rows' lengths on the host.
 """
 
@@ -29,8 +29,7 @@ import torch
 from torch import Tensor
 
 from ..cache import KVCache
-from ..policies import EvictionPolicy
-from ..policies.state import PolicyState
+from ..policies import PolicyDriver
 from .chunks import Piece, RowPiece
 from .errors import PolicyCacheError
 from .rotary import Layout, invert_rotary
@@ -122,15 +121,14 @@ class ChunkedForward:
         store: The policy layers' store.
         observers: Each policy layer's observer (``prefill`` and ``chunk`` with a ``rows`` argument, as
             :class:`~beaconkv.policies.observer.ObservedLayer`'s).
-        policy: The policy.
-        state: Its state over ``store``.
+        driver: The :class:`~beaconkv.policies.PolicyDriver` running the policy over ``store``.
         layout: The model's rotary layout (to undo the rotation of the queries).
     """
 
-    def __init__(self, pieces: list[Piece], store: KVCache, observers: list[Any], policy: EvictionPolicy,
-                 state: PolicyState, layout: Layout) -> None:
+    def __init__(self, pieces: list[Piece], store: KVCache, observers: list[Any], driver: PolicyDriver,
+                 layout: Layout) -> None:
         self.pieces, self.store, self.observers = pieces, store, observers
-        self.policy, self.state, self.layout = policy, state, layout
+        self.driver, self.layout = driver, layout
         self.current: PieceTensors | None = None
         self._index = -1
         self._pending: dict[tuple[int, int], list[Tensor]] = {}  # (layer, row) -> its chunk's queries so far
@@ -228,9 +226,9 @@ class ChunkedForward:
         firsts = [r.row for r in done if r.first]
         later = [r for r in done if not r.first]
         if firsts:
-            self.policy.after_prefill(self.state, firsts)
+            self.driver.after_prefill(firsts)
         if later:
-            self.policy.after_chunk(self.state, [r.row for r in later], [r.chunk_tokens for r in later])
+            self.driver.after_chunk([r.row for r in later], [r.chunk_tokens for r in later])
 
     # ------------------------------------------------------------------------------- internals
     def _observe(self, index: int, q_pre: Tensor) -> None:

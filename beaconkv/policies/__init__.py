@@ -1,7 +1,8 @@
 """KV-cache eviction policies: BeaconKV and its baselines, behind one base class.
 
 Every policy subclasses :class:`EvictionPolicy` (a dataclass of settings) and returns per-slot
-scores; protection of the prefix and recent tokens, top-k and in-place compaction are shared. What a
+scores; a :class:`PolicyDriver` runs it over a cache — rows, counters, when to evict, protection of the
+prefix and recent tokens, top-k and in-place compaction, the same for every policy. What a
 policy remembers while decoding lives in the :class:`PolicyState` it creates for a cache, with one
 :class:`ObservedLayer` per layer: what the policy sees of it (the cache's keys and positions, its own
 query ring and per-slot buffers), and what attention reports the layer's queries to. Build one
@@ -15,6 +16,7 @@ from .allocation import Allocation, HeadAdaptive, Uniform, parse_allocation
 from .base import EvictionPolicy, FullKV
 from .beacon import BeaconKV, InitialRecent
 from .config import PolicyConfigError
+from .driver import PolicyDriver
 from .event_beacon import EventBeaconKV
 from .expected_attention import ExpectedAttention
 from .group_beacon import GroupBeaconKV
@@ -49,7 +51,8 @@ __all__ = [
     # rivals from the literature beyond the paper's baselines (docs/spec.md, §5)
     "ExpectedAttention", "KeyDiff", "KNorm", "LazyEviction", "TOVA", "TriAttention",
     # writing a policy: the base classes, its state and records, what it sees of a layer, the query samplers
-    "ContinualFPS", "EvictionPolicy", "EvictionRecord", "FPS", "KMeans", "NaiveFPS", "ObservedLayer", "PolicyState",
+    "ContinualFPS", "EvictionPolicy", "EvictionRecord", "FPS", "KMeans", "NaiveFPS", "ObservedLayer", "PolicyDriver",
+    "PolicyState",
     "PolicyStats", "QueryRing", "QuerySampler", "RecentWindowPolicy",
     # when a policy evicts and how much it keeps: the schedules
     "AtBudget", "Buffered", "Periodic", "Schedule", "parse_schedule",

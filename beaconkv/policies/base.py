@@ -25,34 +25,39 @@ under R-KV's :class:`~beaconkv.policies.schedules.Buffered` or RPC's
 change.
 
 A prompt may also come in chunks (``prefill_chunk``): the policy then evicts after each chunk as after
-a decode step (:meth:`EvictionPolicy.after_chunk`), so the cache never holds the whole prompt; what each
-policy scores with there is in the specification (SPEC §5, "Prefill in chunks").
+a decode step, so the cache never holds the whole prompt; what each policy scores with there is in the
+specification (SPEC §5, "Prefill in chunks").
 
-Lifecycle, driven by :class:`beaconkv.session.Session` (for :func:`beaconkv.generate`, the engine and
-the fidelity study alike):
+A policy is settings, a :meth:`EvictionPolicy.score` and a few hooks named for when they run; the
+:class:`~beaconkv.policies.driver.PolicyDriver` does the rest, for every policy alike (driven by
+:class:`beaconkv.session.Session` for :func:`beaconkv.generate`, the engine and the fidelity study, and by
+:class:`beaconkv.hf.PolicyCache` in transformers):
 
 1. :meth:`EvictionPolicy.capacity` sizes the cache from the prompt lengths;
-2. :meth:`EvictionPolicy.create_state` allocates the state for the cache: per-layer tensors, and one
-   :class:`~beaconkv.policies.observer.ObservedLayer` per layer (the query ring, per-slot buffers), the
-   observers the session hands the model;
-3. :meth:`EvictionPolicy.admit` starts some rows; the prefill writes their prompts, and attention hands
-   each layer's prompt queries to its observer (which runs :meth:`observe_prefill` through the state's
-   executor); then :meth:`after_prefill` runs — it evicts at once a prompt already over the budget;
+2. :meth:`EvictionPolicy.create_state` allocates the policy's state for the cache: per-layer tensors, and
+   one :class:`~beaconkv.policies.observer.ObservedLayer` per layer (the query ring, per-slot buffers),
+   the observers the session hands the model (the driver makes it);
+3. the driver admits rows (:meth:`on_admit`); the prefill writes their prompts and attention hands each
+   layer's prompt queries to its observer (which runs :meth:`observe_prefill` through the state's
+   executor); then :meth:`on_prefill` runs and the driver evicts a prompt already over the budget (a
+   prompt in chunks: :meth:`observe_chunk` and :meth:`on_chunk` for each later chunk);
 4. each decode step writes one key per row into the cache and one pre-RoPE query per row into the
-   observers' rings, in place (static shapes; :meth:`observe_attention` sees the weights), then
-   :meth:`after_decode_step` runs on the host: it advances the schedule (plain integers, so no
-   device read is needed to know when to evict) and evicts the rows its schedule says are due;
-5. :meth:`EvictionPolicy.release` ends rows (a finished request leaves its slot).
+   observers' rings, in place (static shapes; :meth:`observe_attention` sees the weights); then the
+   driver advances the host counters, runs :meth:`on_decode_step` and evicts the rows the schedule says
+   are due (:meth:`before_evict`, the score, :meth:`on_evict`); :meth:`on_count_change` follows every
+   change of the counts;
+5. the driver releases rows (a finished request leaves its slot).
 
-The device work — an eviction's score, select and compact (:meth:`evict_layer`), and any policy's
-own device functions — runs through the state's :class:`~beaconkv.execution.Executor`, eagerly or as
-compiled graphs: the same methods on the same state either way.
+The device work — an eviction's score, select and compact (:func:`~beaconkv.policies.driver.evict_layer`),
+and any policy's own device functions — runs through the state's :class:`~beaconkv.execution.Executor`,
+eagerly or as compiled graphs: the same functions on the same state either way.
 """
 
 from __future__ import annotations
 
 import math
-import time
+import inspect
+import warnings
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
@@ -64,22 +69,53 @@ from ..execution import Executor
 from .config import PolicyConfigError, check_int, check_number
 from .allocation import Allocation, Uniform, parse_allocation
 from .observer import ObservedLayer, QueryRing
-from .schedules import AtBudget, Schedule, parse_schedule, protected_scores
-from .selection import ranking_key, select_keep
+from .schedules import AtBudget, Schedule, parse_schedule
+from .selection import select_keep
 from .state import EvictionRecord, PolicyState, PolicyStats
 
 __all__ = ["EvictionPolicy", "EvictionRecord", "FullKV", "PolicyConfigError", "PolicyState", "PolicyStats",
            "select_keep"]
 
 
+#: Hooks renamed for when they run: old name -> new name.
+_RENAMED_HOOKS = {"on_prefill_done": "on_prefill", "on_chunk_done": "on_chunk", "on_decode": "on_decode_step",
+                  "after_evict": "on_evict", "after_count_change": "on_count_change"}
+#: What moved to the driver -> the hook a subclass overrides instead.
+_DRIVER_METHODS = {
+    "admit": "on_admit(state, rows)", "after_prefill": "on_prefill(state, rows)",
+    "after_chunk": "on_chunk(state, rows, n_new)", "after_decode_step": "on_decode_step(state, rows)",
+    "release": "nothing (rows end in the driver)", "evict_due": "the schedule (schedule=...)",
+    "evict": "before_evict(state, rows) or on_evict(state, rows)", "evict_layer": "score(layer, rows, t)",
+    "evict_all_layers": "score(layer, rows, t)",
+}
+
+
+def _old_signature(method: Any) -> bool:
+    """Whether a ``score``-like method takes the older ``(state, layer_state, cache, rows, t)``."""
+    try:
+        params = list(inspect.signature(method).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 6
+
+
+def _adapt_old_signature(method: Any) -> Any:
+    def adapted(self: Any, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Any:
+        return method(self, layer.state, layer.layer_state, layer, rows, t)
+
+    adapted.__name__, adapted.__doc__ = method.__name__, method.__doc__
+    return adapted
+
+
 @dataclass
 class EvictionPolicy:
     """Base class of every KV-cache eviction policy (a dataclass of settings).
 
-    Subclasses implement :meth:`score` (and optionally the hooks :meth:`init_state`,
-    :meth:`observe_prefill`, :meth:`observe_chunk`, :meth:`observe_attention`, :meth:`on_chunk_done`,
-    :meth:`on_decode`, :meth:`after_evict`, :meth:`after_count_change`). Everything about budgets, protection, scheduling and compaction is
-    shared. A subclass declared ``@dataclass`` adds its parameters as fields (after ``budget``,
+    Subclasses implement :meth:`score` (and optionally :meth:`init_state`, the device hooks
+    :meth:`observe_prefill`, :meth:`observe_chunk`, :meth:`observe_attention`, and the host hooks
+    :meth:`on_admit`, :meth:`on_prefill`, :meth:`on_chunk`, :meth:`on_decode_step`, :meth:`before_evict`,
+    :meth:`on_evict`, :meth:`on_count_change`). Budgets, protection, scheduling and compaction are the
+    driver's (:class:`~beaconkv.policies.driver.PolicyDriver`), the same for every policy. A subclass declared ``@dataclass`` adds its parameters as fields (after ``budget``,
     before the keyword-only ones) and validates them in :meth:`validate`; every policy takes the
     keyword-only ``n_prefix``, ``n_recent``, ``ratio``, ``schedule``, ``allocation`` and ``telemetry``
     documented here.
@@ -127,6 +163,36 @@ class EvictionPolicy:
     state_class: ClassVar[type[PolicyState]] = PolicyState
     #: Whether ``budget=None`` is an error (False for FullKV; a schedule that sizes itself needs none).
     requires_budget: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Keeps a subclass written for the older policy interface working, or says what to change.
+
+        Hooks that were renamed (``on_prefill_done``, ``on_chunk_done``, ``on_decode``, ``after_evict``,
+        ``after_count_change``) run under their new names with a ``DeprecationWarning``; a ``score`` (or
+        ``observed_positions``) taking ``(state, layer_state, cache, rows, t)`` is adapted to the new
+        ``(layer, rows, t)`` with a warning. A subclass overriding what moved to
+        :class:`~beaconkv.policies.driver.PolicyDriver` (``admit``, ``evict`` ...) is refused, naming the
+        hook to override instead: that code would no longer run.
+        """
+        super().__init_subclass__(**kwargs)
+        for old, new in _RENAMED_HOOKS.items():
+            if old in cls.__dict__:
+                warnings.warn(f"{cls.__name__}.{old} is now called {new} (policies/base.py, CHANGELOG.md); it runs "
+                              f"as {new} for now: rename it.", DeprecationWarning, stacklevel=2)
+                if new not in cls.__dict__:
+                    setattr(cls, new, cls.__dict__[old])
+        for old, hint in _DRIVER_METHODS.items():
+            if old in cls.__dict__:
+                raise TypeError(f"{cls.__name__} overrides {old}(), which moved from the policy to "
+                                f"beaconkv.policies.PolicyDriver (it drives rows and evictions for every policy); "
+                                f"override {hint} instead (CHANGELOG.md, docs/guides/custom-policy.md).")
+        for name in ("score", "observed_positions"):
+            method = cls.__dict__.get(name)
+            if method is not None and _old_signature(method):
+                warnings.warn(f"{cls.__name__}.{name}(self, state, layer_state, cache, rows, t) is now "
+                              f"{name}(self, layer, rows, t), with layer.state and layer.layer_state "
+                              "(CHANGELOG.md); adapted for now.", DeprecationWarning, stacklevel=2)
+                setattr(cls, name, _adapt_old_signature(method))
 
     def __post_init__(self) -> None:
         self.schedule = parse_schedule(self.schedule)
@@ -213,7 +279,7 @@ class EvictionPolicy:
         A policy that never evicts needs every token; others the most a sequence ever holds:
         its prefix plus :meth:`peak_evictable`, never more than the whole sequence. With
         ``prefill_chunk=N`` a longer prompt is prefilled ``N`` tokens at a time with evictions in between
-        (:meth:`after_chunk`), so the cache need not hold the whole prompt: at most ``n_prefix + budget +
+        (:meth:`~beaconkv.policies.driver.PolicyDriver.after_chunk`), so the cache need not hold the whole prompt: at most ``n_prefix + budget +
         N`` slots under the default schedule (the evictable count stays below the budget before each
         chunk). Without it the cache holds at least the longest prompt.
 
@@ -282,7 +348,6 @@ class EvictionPolicy:
             decode steps report to.
         """
         state = self.state_class.allocate(cache, rope, executor)
-        cache.active.fill_(False)  # no row decodes until admitted (the state owns the mask from here)
         window = max(self.query_window(max_tokens or cache.capacity), query_window)
         state.observers = [
             ObservedLayer(self, state, layer, QueryRing(layer.batch, layer.n_heads, window, layer.head_dim,
@@ -298,167 +363,17 @@ class EvictionPolicy:
         """Allocates the policy's own state (per-layer objects in ``state.layers``; per-slot tensors through
         each observer's :meth:`~beaconkv.policies.observer.ObservedLayer.register_slot_buffer`). Default: nothing."""
 
-    # ------------------------------------------------------------------------------- lifecycle
-    def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int],
-              written: list[int] | None = None) -> None:
-        """Starts some rows before their prompts are written (their previous state is forgotten).
-
-        Args:
-            state: The state.
-            rows: Row indices.
-            prompt_lengths: Real prompt length of each (the protected prefix is computed from it).
-            written: Tokens of each prompt the first prefill writes (a prompt prefilled in chunks: its
-                first chunk; the others come through :meth:`after_chunk`). None: the whole prompt.
-        """
-        prefixes = self.prefix_lengths(prompt_lengths)
-        written = list(prompt_lengths) if written is None else list(written)
-        for b, n, p in zip(rows, written, prefixes):
-            state.count[b], state.t[b], state.prefix[b], state.live[b] = max(n - p, 0), n - 1, p, True
-            state.settled[b] = 0
-            state.stats.evictions[b] = 0
-        rows_t = state.index(rows)
-        state.t_dev[rows_t] = state.to_device([n - 1 for n in written])
-        state.prefix_dev[rows_t] = state.to_device(prefixes)
-        state.active[rows_t] = True
-        state.peak_tokens = max(state.peak_tokens, max(written))
-
-    def after_prefill(self, state: PolicyState, rows: list[int]) -> None:
-        """Host bookkeeping after the prompts of ``rows`` were written; evicts over-budget rows."""
-        self.on_prefill_done(state, rows)
-        self.evict_due(state, rows)
-        self.after_count_change(state, rows)
-
-    def after_chunk(self, state: PolicyState, rows: list[int], n_new: list[int]) -> None:
-        """Host bookkeeping after a chunk wrote ``n_new[i]`` more tokens in row ``rows[i]`` (a prompt
-        prefilled in chunks, a question asked on a compressed context); evicts the rows now due, so
-        the next chunk finds room (:meth:`capacity` with ``prefill_chunk``).
-
-        Args:
-            state: The state.
-            rows: The rows the chunk wrote.
-            n_new: Tokens written in each.
-        """
-        for b, n in zip(rows, n_new):
-            before = state.t[b] + 1
-            state.count[b] += max(before + n - max(before, state.prefix[b]), 0)
-            state.t[b] += n
-            state.peak_tokens = max(state.peak_tokens, min(state.t[b] + 1, state.prefix[b]) + state.count[b])
-        rows_t = state.index(rows)
-        state.t_dev[rows_t] += state.to_device(n_new)
-        self.on_chunk_done(state, rows, n_new)
-        self.evict_due(state, rows)
-        self.after_count_change(state, rows)
-
-    def after_decode_step(self, state: PolicyState) -> None:
-        """Host bookkeeping after one decode step wrote a token for every live row; evicts due rows."""
-        rows = state.live_rows()
-        state.step += 1
-        for b in rows:
-            state.count[b] += 1
-            state.t[b] += 1
-            state.peak_tokens = max(state.peak_tokens, state.prefix[b] + state.count[b])
-        state.t_dev.add_(state.active)
-        self.on_decode(state, rows)
-        self.evict_due(state, rows)
-        self.after_count_change(state, rows)
-
-    def release(self, state: PolicyState, rows: list[int]) -> None:
-        """Ends some rows: they stop decoding, evicting and counting. Their cache keeps its last contents
-        (for inspection) until the next :meth:`admit` and prefill overwrite them."""
-        for b in rows:
-            state.live[b] = False
-        state.active[state.index(rows)] = False
-
-    def evict_due(self, state: PolicyState, rows: list[int]) -> None:
-        """Evicts the given rows whose evictable count reached their schedule's eviction point."""
-        if not self.evicts:
-            return
-        due = [b for b in rows if state.count[b] >= self.evict_point(state, b)]
-        if due:
-            self.evict(state, due)
-
+    # ------------------------------------------------------------------------------- the schedule's numbers
     def evict_point(self, state: PolicyState, b: int) -> int:
         """The evictable count at which row ``b`` next evicts (``budget`` under the default schedule)."""
         return self.schedule.evict_at(self, state.settled[b])
-
-    def evict(self, state: PolicyState, rows: list[int]) -> None:
-        """Scores and compacts the given rows in every layer, down to ``n_prefix + keep_count`` (``B_min``)."""
-        t0 = time.perf_counter()
-        kept_counts = self.keep_count(state, rows)
-        totals = [state.prefix[b] + k for b, k in zip(rows, kept_counts)]
-        # the fullest head's worst case under a head-adaptive allocation (0: every head keeps the same)
-        extra = [self.allocation.extra_slots(self, k) for k in kept_counts]
-        rows_t = state.index(rows)
-        t, n_prefix = state.t_dev[rows_t], state.prefix_dev[rows_t]
-        keep_total = state.to_device(totals)
-        K = max(n + e for n, e in zip(totals, extra))
-        run = state.executor.run
-        if state.executor.layerwise:
-            for i, layer in enumerate(state.observers):
-                kept = run(type(self).evict_layer, self, state, state.layers[i], layer, rows_t, t, n_prefix,
-                           keep_total, K)
-                self._record(state, i, rows, rows_t, t, kept)
-        else:
-            kept_all = run(type(self).evict_all_layers, self, state, rows_t, t, n_prefix, keep_total, K)
-            for i, kept in enumerate(kept_all):
-                self._record(state, i, rows, rows_t, t, kept)
-        for b, kept_count, e in zip(rows, kept_counts, extra):
-            state.count[b] = kept_count + e  # the slots the row's fullest head may hold
-            state.settled[b] = self.schedule.settled_after(self, kept_count)
-            state.stats.evictions[b] += 1
-        state.stats.eviction_calls += 1
-        self.after_evict(state, rows)
-        state.stats.eviction_seconds += time.perf_counter() - t0
-
-    def evict_layer(
-        self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor, n_prefix: Tensor,
-        keep_total: Tensor, K: int,
-    ) -> Tensor:
-        """Scores, selects and compacts some rows of one layer: a device function (compiled as one graph).
-
-        Args:
-            state: The policy's state.
-            layer_state: ``state.layers[i]`` of this layer.
-            cache: The layer as the policy observes it (its cache and the policy's observations).
-            rows: ``(b,)`` row indices.
-            t: ``(b,)`` newest positions.
-            n_prefix: ``(b,)`` protected prefix lengths.
-            keep_total: ``(b,)`` slots each row keeps.
-            K: ``max(keep_total)``, known on the host.
-
-        Returns:
-            ``(b, kv_heads, K)`` the kept positions (``-1`` padding), for telemetry.
-        """
-        pos = cache.positions(rows)
-        scores = protected_scores(self.schedule, self, self.score(state, layer_state, cache, rows, t), pos, t)
-        key = None
-        if self.allocation.adaptive:  # the layer's total split between heads by score
-            key = ranking_key(scores, pos, n_prefix, t, self.n_recent)
-            keep_each = self.schedule.keep(self, self.budget, 0)  # a fixed count (the allocation checked)
-            keep_total = self.allocation.head_counts(self, key, n_prefix, keep_each)  # (b, kv_heads)
-        keep, keep_valid = select_keep(scores, pos, n_prefix, t, self.n_recent, keep_total, K, key=key)
-        kept = torch.where(keep_valid, torch.gather(pos, -1, keep), -1)
-        cache.compact(rows, keep, keep_valid)
-        return kept
-
-    def evict_all_layers(
-        self, state: PolicyState, rows: Tensor, t: Tensor, n_prefix: Tensor, keep_total: Tensor, K: int
-    ) -> list[Tensor]:
-        """:meth:`evict_layer` over every layer, as one device function (one CUDA-graph replay)."""
-        return [self.evict_layer(state, state.layers[i], layer, rows, t, n_prefix, keep_total, K)
-                for i, layer in enumerate(state.observers)]
-
-    def _record(self, state: PolicyState, i: int, rows: list[int], rows_t: Tensor, t: Tensor, kept: Tensor) -> None:
-        if self.telemetry:
-            observed = self.observed_positions(state, state.layers[i], state.observers[i], rows_t, t)
-            state.stats.telemetry.append(EvictionRecord(state.step, i, list(rows), kept.cpu(), observed))
 
     def keep_count(self, state: PolicyState, rows: list[int]) -> list[int]:
         """Evictable tokens each of the given rows keeps at this eviction: the schedule's
         :meth:`~beaconkv.policies.schedules.Schedule.keep` (``B_min`` under the default schedule)."""
         return [self.schedule.keep(self, state.count[b], state.settled[b]) for b in rows]
 
-    # ------------------------------------------------------------------------------- hooks
+    # ------------------------------------------------------------------------------- device hooks
     def observe_prefill(self, state: PolicyState, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
                         rows: Tensor) -> None:
         """Sees one layer's prompt queries at prefill. Default: nothing.
@@ -489,42 +404,50 @@ class EvictionPolicy:
         ``track_attention = True``), from the layer's observer after this step's query went into its ring;
         runs inside the decode step, so device ops only. Default: nothing."""
 
-    def on_prefill_done(self, state: PolicyState, rows: list[int]) -> None:
-        """Host hook after the prefill of ``rows``, before any eviction. Default: nothing."""
+    # ------------------------------------------------------------------------------- host hooks (the driver calls them)
+    def on_admit(self, state: PolicyState, rows: list[int]) -> None:
+        """When rows start, after the driver reset their counters and positions. Default: nothing."""
 
-    def on_chunk_done(self, state: PolicyState, rows: list[int], n_new: list[int]) -> None:
-        """Host hook after a chunk wrote ``n_new`` tokens in ``rows``, before any eviction. Default: nothing."""
+    def on_prefill(self, state: PolicyState, rows: list[int]) -> None:
+        """When the prompts of ``rows`` are written, before any eviction. Default: nothing."""
 
-    def on_decode(self, state: PolicyState, rows: list[int]) -> None:
-        """Host hook after each decode step's write, before the eviction check. Default: nothing."""
+    def on_chunk(self, state: PolicyState, rows: list[int], n_new: list[int]) -> None:
+        """When a chunk wrote ``n_new`` tokens in ``rows``, before any eviction. Default: nothing."""
 
-    def after_evict(self, state: PolicyState, rows: list[int]) -> None:
-        """Host hook after the given rows were evicted. Default: nothing."""
+    def on_decode_step(self, state: PolicyState, rows: list[int]) -> None:
+        """When a decode step wrote a token in ``rows`` (counters advanced), before the eviction check.
+        Default: nothing."""
 
-    def after_count_change(self, state: PolicyState, rows: list[int]) -> None:
-        """Host hook after every change of the evictable counts (decode step or eviction). Default: nothing."""
+    def before_evict(self, state: PolicyState, rows: list[int]) -> None:
+        """When ``rows`` are about to be evicted, before they are scored. Default: nothing."""
 
-    def observed_positions(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor,
-                           t: Tensor) -> Tensor | None:
+    def on_evict(self, state: PolicyState, rows: list[int]) -> None:
+        """When ``rows`` were evicted. Default: nothing."""
+
+    def on_count_change(self, state: PolicyState, rows: list[int]) -> None:
+        """After every change of the evictable counts (a prefill, a chunk, a decode step and its evictions).
+        Default: nothing."""
+
+    # ------------------------------------------------------------------------------- scoring
+    def observed_positions(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor | None:
         """Positions of the queries used for scoring (telemetry). Default: None."""
         return None
 
-    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
         """Scores every cached slot of the given rows; higher = keep. A device function: read tensors only.
 
         Args:
-            state: The policy's state.
-            layer_state: ``state.layers[i]`` of this layer (None unless the policy keeps per-layer state).
-            cache: The layer as the policy observes it (read
-                :meth:`~beaconkv.policies.observer.ObservedLayer.keys`,
-                :meth:`~beaconkv.policies.observer.ObservedLayer.positions`,
-                :meth:`~beaconkv.policies.observer.ObservedLayer.ring` at ``rows``).
+            layer: The layer as the policy observes it: its cache's reads
+                (:meth:`~beaconkv.policies.observer.ObservedLayer.keys`,
+                :meth:`~beaconkv.policies.observer.ObservedLayer.positions`, ...), the query ring
+                (:meth:`~beaconkv.policies.observer.ObservedLayer.ring`), the policy's state
+                (``layer.state``) and this layer's part of it (``layer.layer_state``).
             rows: ``(b,)`` row indices being evicted.
             t: ``(b,)`` position of the newest token of each.
 
         Returns:
             ``(b, kv_heads, capacity)`` scores. Empty, prefix and recent slots are handled by the
-            base class whatever their score.
+            driver whatever their score.
         """
         raise NotImplementedError(f"{type(self).__name__} must implement score()")
 
@@ -545,6 +468,5 @@ class FullKV(EvictionPolicy):
     def __repr__(self) -> str:
         return "FullKV()"
 
-    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor,
-              t: Tensor) -> Tensor:  # pragma: no cover
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:  # pragma: no cover
         raise RuntimeError("FullKV never evicts")

@@ -205,9 +205,7 @@ class BeaconKV(EvictionPolicy):
         obs = state.obs.unbind() if state.obs is not None else [None] * len(cache)
         state.layers = [BeaconLayer(b, o, c) for b, o, c in zip(state.beacons.unbind(), obs, layers)]
 
-    def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int],
-              written: list[int] | None = None) -> None:
-        super().admit(state, rows, prompt_lengths, written)
+    def on_admit(self, state: PolicyState, rows: list[int]) -> None:
         rows_t = state.index(rows)
         state.beacons.clear(rows_t)
         if state.obs is not None:
@@ -241,7 +239,7 @@ class BeaconKV(EvictionPolicy):
         return out
 
     # ------------------------------------------------------------------------------- schedule
-    def on_prefill_done(self, state: PolicyState, rows: list[int]) -> None:
+    def on_prefill(self, state: PolicyState, rows: list[int]) -> None:
         for b, L in zip(rows, (state.t[b] + 1 for b in rows)):
             state.obs_count[b] = self.lifecycle.prefill_count(self, L)
             state.obs_since[b] = state.t[b]
@@ -254,9 +252,9 @@ class BeaconKV(EvictionPolicy):
                 state.phase[b] = "static"
         else:
             # a prompt may already be past the freeze point (int n_prefix): freeze before any eviction
-            self.after_count_change(state, rows)
+            self.on_count_change(state, rows)
 
-    def on_chunk_done(self, state: PolicyState, rows: list[int], n_new: list[int]) -> None:
+    def on_chunk(self, state: PolicyState, rows: list[int], n_new: list[int]) -> None:
         """After a chunk: its queries are in the observation set (:meth:`observe_chunk`), nothing is pending.
         A row frozen before the chunk folds its beacons back in and accumulates again, so the freeze that
         follows (if the count is past the freeze point) samples beacons from every chunk, and its recent
@@ -277,23 +275,22 @@ class BeaconKV(EvictionPolicy):
             for b in rows:
                 state.phase[b] = "static"
 
-    def on_decode(self, state: PolicyState, rows: list[int]) -> None:
+    def on_decode_step(self, state: PolicyState, rows: list[int]) -> None:
         due = self.lifecycle.compress_due(self, state, rows)
         if due:
             self.lifecycle.compress(self, state, due)
 
-    def after_count_change(self, state: PolicyState, rows: list[int]) -> None:
+    def on_count_change(self, state: PolicyState, rows: list[int]) -> None:
         due = [b for b in rows if state.phase[b] == "accumulate" and state.count[b] >= self.freeze_point(state, b)]
         if due:
             self.freeze(state, due)
 
-    def evict(self, state: PolicyState, rows: list[int]) -> None:
+    def before_evict(self, state: PolicyState, rows: list[int]) -> None:
         unfrozen = [b for b in rows if state.phase[b] == "accumulate"]  # only when n_recent == 0
         if unfrozen:
             self.freeze(state, unfrozen)
-        super().evict(state, rows)
 
-    def after_evict(self, state: PolicyState, rows: list[int]) -> None:
+    def on_evict(self, state: PolicyState, rows: list[int]) -> None:
         if self.static_beacons:
             return
         self.roll(state, rows)
@@ -396,21 +393,24 @@ class BeaconKV(EvictionPolicy):
         source = torch.cat([beacons.pos[:, 0], recent.pos[:, 0]], dim=1)
         return q_rot, q_mask, q_pos, source
 
-    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
         """Step 4: attention of beacons (at ``t``) and recent queries (at their positions) over the cache,
         aggregated over queries and the GQA group."""
-        q_rot, q_mask, q_pos, _ = self.observation_queries(state, layer_state, cache, rows, t)
-        pos = cache.positions(rows)
+        state = layer.state
+        layer_state = layer.layer_state
+        q_rot, q_mask, q_pos, _ = self.observation_queries(state, layer_state, layer, rows, t)
+        pos = layer.positions(rows)
         keys = pos >= 0
         if self.normalize == "evictable":  # the softmax over what may go: the protected prefix is kept anyway
             keys = keys & (pos >= state.prefix_dev[rows][:, None, None])
-        w = attention_probs(q_rot, q_mask, cache.keys(rows), keys, cache.head_dim**-0.5, q_pos, pos)
+        w = attention_probs(q_rot, q_mask, layer.keys(rows), keys, layer.head_dim**-0.5, q_pos, pos)
         per_head = reduce_queries(w, q_mask, self.aggregation, self.temperature)  # (b, kv_heads, group, C)
         return pool_slots(reduce_group(per_head, self.aggregation, self.temperature), self.kernel, self.pool)
 
-    def observed_positions(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor,
-                           t: Tensor) -> Tensor:
-        _, q_mask, _, source = self.observation_queries(state, layer_state, cache, rows, t)
+    def observed_positions(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        state = layer.state
+        layer_state = layer.layer_state
+        _, q_mask, _, source = self.observation_queries(state, layer_state, layer, rows, t)
         return torch.where(q_mask, source, -1).cpu()
 
 

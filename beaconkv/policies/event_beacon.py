@@ -98,9 +98,8 @@ class EventBeaconKV(BeaconKV):
         state.layers = [EventLayer(lay.beacons, lay.obs, lay.cache, ev, nxt)
                         for lay, ev, nxt in zip(state.layers, state.events.unbind(), state.next_slot.unbind(0))]
 
-    def admit(self, state: PolicyState, rows: list[int], prompt_lengths: list[int],
-              written: list[int] | None = None) -> None:
-        super().admit(state, rows, prompt_lengths, written)
+    def on_admit(self, state: PolicyState, rows: list[int]) -> None:
+        super().on_admit(state, rows)
         rows_t = state.index(rows)
         state.events.clear(rows_t)
         state.next_slot[:, rows_t] = 0

@@ -138,11 +138,12 @@ class ExpectedAttention(RecentWindowPolicy):
             logits = logits + quad / (2 * d)
         return logits
 
-    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
-        logits = self.expected_logits(state, cache, rows, t)
-        filled = (cache.positions(rows) >= 0)[:, :, None]  # (b, kv, 1, C)
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        state = layer.state
+        logits = self.expected_logits(state, layer, rows, t)
+        filled = (layer.positions(rows) >= 0)[:, :, None]  # (b, kv, 1, C)
         probs = torch.softmax(logits.masked_fill(~filled, -math.inf), dim=-1).nan_to_num(0.0)
         scores = probs.mean(2)  # (b, kv_heads, capacity): mean over the GQA group
         if self.use_vnorm:
-            scores = (scores + self.epsilon) * cache.values(rows).float().norm(dim=-1)
+            scores = (scores + self.epsilon) * layer.values(rows).float().norm(dim=-1)
         return pool_slots(scores, self.kernel, "avg")

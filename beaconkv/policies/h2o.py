@@ -72,6 +72,7 @@ class H2O(EvictionPolicy):
         # weights: (batch, kv_heads, group, capacity); empty slots carry 0
         acc.add_(weights.sum(2).to(acc.dtype))
 
-    def score(self, state: PolicyState, acc: Tensor, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
-        recent = cache.positions(rows) > (t - self.n_recent_h2o)[:, None, None]
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        acc = layer.layer_state
+        recent = layer.positions(rows) > (t - self.n_recent_h2o)[:, None, None]
         return torch.where(recent, math.inf, acc[rows])

@@ -59,5 +59,5 @@ class KeyDiff(EvictionPolicy):
 
     name: ClassVar[str] = "keydiff"
 
-    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
-        return -key_anchor_similarity(cache.keys(rows), cache.positions(rows) >= 0)
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        return -key_anchor_similarity(layer.keys(rows), layer.positions(rows) >= 0)

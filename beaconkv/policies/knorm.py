@@ -56,6 +56,6 @@ class KNorm(EvictionPolicy):
         super().validate()
         check_number("tie_rtol", self.tie_rtol, 0, 1, open_high=True, hint=f"(default {TIE_RTOL})")
 
-    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
-        norms = cache.keys(rows).float().norm(dim=-1)  # (b, kv_heads, capacity)
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        norms = layer.keys(rows).float().norm(dim=-1)  # (b, kv_heads, capacity)
         return merge_near_ties(-norms, self.tie_rtol)

@@ -90,8 +90,8 @@ class LazyEviction(EvictionPolicy):
         mri.copy_(torch.where(hit, torch.maximum(mri, now - last), mri))
         seen.copy_(torch.where(hit, now + 1, seen))
 
-    def score(self, state: PolicyState, layer: ObservedLayer, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
-        pos = cache.positions(rows)
-        seen, mri = cache.slot_buffers[SEEN][rows], cache.slot_buffers[MRI][rows]
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        pos = layer.positions(rows)
+        seen, mri = layer.slot_buffers[SEEN][rows], layer.slot_buffers[MRI][rows]
         last = torch.where(seen > 0, seen - 1, pos)
         return (last + mri - t[:, None, None]).float()

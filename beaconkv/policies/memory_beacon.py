@@ -62,9 +62,10 @@ class MemoryBeaconKV(BeaconKV):
         state.layers = [MemoryLayer(lay.beacons, lay.obs, lay.cache, lay.cache.register_slot_buffer(MEMORY))
                         for lay in state.layers]
 
-    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
         """``max(BeaconKV's score, memory * the slot's last score)``; the result is remembered."""
-        now = super().score(state, layer_state, cache, rows, t)
+        layer_state = layer.layer_state
+        now = super().score(layer, rows, t)
         score = torch.maximum(now, self.memory * layer_state.remembered[rows])
         layer_state.remembered[rows] = score.to(layer_state.remembered.dtype)
         return score

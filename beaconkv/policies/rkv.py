@@ -116,11 +116,12 @@ class RKV(RecentWindowPolicy):
         mean = w.sum(2) / q_mask.sum(-1).clamp(min=1)[:, None, None]
         return pool_slots(mean, self.kernel, "max")
 
-    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
-        pos = cache.positions(rows)
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        state = layer.state
+        pos = layer.positions(rows)
         n_prefix = state.prefix_dev[rows][:, None, None]
-        redundancy = key_redundancy(cache.keys(rows), (pos >= 0) & (pos >= n_prefix), self.threshold)
-        scores = self.lam * self.importance(state, cache, rows, t) - (1 - self.lam) * redundancy
+        redundancy = key_redundancy(layer.keys(rows), (pos >= 0) & (pos >= n_prefix), self.threshold)
+        scores = self.lam * self.importance(state, layer, rows, t) - (1 - self.lam) * redundancy
         # the observation window outranks every score but not the base's +inf (prefix, n_recent): when
         # window > B_min the window must not push the prefix out
         window_keep = torch.finfo(torch.float32).max

@@ -65,17 +65,18 @@ class RPC(RecentWindowPolicy):
         check_choice("group_reduce", self.group_reduce, GROUP_REDUCES)
 
     # ---------------------------------------------------------------- scoring
-    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
-        q_rot, qpos, q_mask = self.window_queries(state, cache, rows, t)  # each query at its own position
-        pos = cache.positions(rows)  # (b, kv_heads, capacity)
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        state = layer.state
+        q_rot, qpos, q_mask = self.window_queries(state, layer, rows, t)  # each query at its own position
+        pos = layer.positions(rows)  # (b, kv_heads, capacity)
         n_prefix = state.prefix_dev[rows][:, None, None]
         evictable = (pos >= 0) & (pos >= n_prefix)
         w = attention_probs(
-            q_rot, q_mask, cache.keys(rows), evictable, 1.0 / math.sqrt(cache.head_dim), q_pos=qpos, key_pos=pos
+            q_rot, q_mask, layer.keys(rows), evictable, 1.0 / math.sqrt(layer.head_dim), q_pos=qpos, key_pos=pos
         )  # (b, kv_heads, group, n, capacity)
         summed = reduce_queries(w, q_mask, "sum")  # (b, kv_heads, group, capacity)
         if self.group_reduce == "all_heads":
-            scores = summed.mean((1, 2), keepdim=True).squeeze(2).expand(-1, cache.n_kv_heads, -1)
+            scores = summed.mean((1, 2), keepdim=True).squeeze(2).expand(-1, layer.n_kv_heads, -1)
         else:
             scores = reduce_group(summed, "mean")
         return pool_slots(scores.contiguous(), self.kernel, "avg")

@@ -44,11 +44,12 @@ class SnapKV(RecentWindowPolicy):
 
     name: ClassVar[str] = "snapkv"
 
-    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
-        q_rot, qpos, q_mask = self.window_queries(state, cache, rows, t)  # each query at its own position
-        pos = cache.positions(rows)
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        state = layer.state
+        q_rot, qpos, q_mask = self.window_queries(state, layer, rows, t)  # each query at its own position
+        pos = layer.positions(rows)
         w = attention_probs(
-            q_rot, q_mask, cache.keys(rows), pos >= 0, 1.0 / math.sqrt(cache.head_dim), q_pos=qpos, key_pos=pos
+            q_rot, q_mask, layer.keys(rows), pos >= 0, 1.0 / math.sqrt(layer.head_dim), q_pos=qpos, key_pos=pos
         )  # (b, kv_heads, group, n, capacity)
         per_head = reduce_queries(w, q_mask, "mean")  # (b, kv_heads, group, capacity)
         # the group mean and the average pooling are both linear: taking the mean first is the same

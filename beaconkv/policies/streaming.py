@@ -52,8 +52,9 @@ class StreamingLLM(EvictionPolicy):
                 f"use n_sink <= {max(self.b_min - self.n_recent, 0)} or a larger budget."
             )
 
-    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
-        pos = cache.positions(rows)  # (b, kv_heads, capacity)
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        state = layer.state
+        pos = layer.positions(rows)  # (b, kv_heads, capacity)
         n_prefix = state.prefix_dev[rows][:, None, None]
         sink = (pos >= n_prefix) & (pos < n_prefix + self.n_sink)
         return torch.where(sink, math.inf, pos.float())

@@ -59,18 +59,18 @@ class TOVA(EvictionPolicy):
     def query_window(self, max_tokens: int) -> int:
         return 1
 
-    def observed_positions(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor,
-                           t: Tensor) -> Tensor:
-        _, qpos, mask = last_queries(cache, rows, t, 1)
+    def observed_positions(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        _, qpos, mask = last_queries(layer, rows, t, 1)
         return qpos.masked_fill(~mask, -1).cpu()
 
-    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        state = layer.state
         qpos = t[:, None]  # (b, 1)
-        q, held = cache.ring_at(rows, qpos)  # (b, heads, 1, d): the query of step t
+        q, held = layer.ring_at(rows, qpos)  # (b, heads, 1, d): the query of step t
         q_rot = state.rope.rotate(q, qpos)
-        pos = cache.positions(rows)
-        w = attention_probs(q_rot, held, cache.keys(rows), pos >= 0, 1.0 / math.sqrt(cache.head_dim))
+        pos = layer.positions(rows)
+        w = attention_probs(q_rot, held, layer.keys(rows), pos >= 0, 1.0 / math.sqrt(layer.head_dim))
         per_head = w[:, :, :, 0]  # (b, kv_heads, group, capacity)
         if self.group_reduce == "all_heads":
-            return per_head.mean((1, 2), keepdim=True).squeeze(2).expand(-1, cache.n_kv_heads, -1).contiguous()
+            return per_head.mean((1, 2), keepdim=True).squeeze(2).expand(-1, layer.n_kv_heads, -1).contiguous()
         return reduce_group(per_head, "mean")

@@ -222,7 +222,7 @@ class TriAttention(EvictionPolicy):
         if self.centres == "running":
             layer_state.add(rows, q_pre, valid, torch.where(valid, positions, -1).amax(-1))
 
-    def on_decode(self, state: PolicyState, rows: list[int]) -> None:
+    def on_decode_step(self, state: PolicyState, rows: list[int]) -> None:
         """Every ``window`` decode steps, the ring's new queries join the running sums (before the ring
         overwrites them), whatever the eviction schedule."""
         if self.centres == "running" and rows and state.step % self.window == 0:
@@ -282,11 +282,13 @@ class TriAttention(EvictionPolicy):
             scores = scores + torch.einsum("bkgf,bkcf->bkgc", weight, pair_norms(keys))
         return scores
 
-    def score(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
-        centre, magnitude = self.query_statistics(layer_state, cache, rows, t)
-        per_head = self.head_scores(state, centre, magnitude, cache.keys(rows), t)
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        state = layer.state
+        layer_state = layer.layer_state
+        centre, magnitude = self.query_statistics(layer_state, layer, rows, t)
+        per_head = self.head_scores(state, centre, magnitude, layer.keys(rows), t)
         if self.normalize:
-            pos = cache.positions(rows)
+            pos = layer.positions(rows)
             evictable = ((pos >= 0) & (pos >= state.prefix_dev[rows][:, None, None]))[:, :, None]  # (b, kv, 1, C)
             m = evictable.float()
             n = m.sum(-1, keepdim=True).clamp(min=1)

@@ -51,9 +51,8 @@ class RecentWindowPolicy(EvictionPolicy):
         """``max(window, n_recent)``: a periodic schedule leaves the observation window uncompressed too."""
         return max(self.window, self.n_recent)
 
-    def observed_positions(self, state: PolicyState, layer_state: Any, cache: ObservedLayer, rows: Tensor,
-                           t: Tensor) -> Tensor:
-        _, qpos, mask = last_queries(cache, rows, t, self.window)
+    def observed_positions(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        _, qpos, mask = last_queries(layer, rows, t, self.window)
         return qpos.masked_fill(~mask, -1).cpu()
 
     def window_queries(self, state: PolicyState, cache: ObservedLayer, rows: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:

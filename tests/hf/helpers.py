@@ -59,9 +59,9 @@ class NewestQuery(EvictionPolicy):
     def query_window(self, max_tokens: int) -> int:
         return 1
 
-    def score(self, state: Any, layer_state: Any, cache: Any, rows: Tensor, t: Tensor) -> Tensor:
-        q, _ = cache.ring_at(rows, t[:, None])  # (b, heads, 1, head_dim), pre-RoPE
-        q = state.rope.rotate(q, t[:, None])
+    def score(self, layer: Any, rows: Tensor, t: Tensor) -> Tensor:
+        q, _ = layer.ring_at(rows, t[:, None])  # (b, heads, 1, head_dim), pre-RoPE
+        q = layer.state.rope.rotate(q, t[:, None])
         b = q.shape[0]
-        qg = q.view(b, cache.n_kv_heads, cache.group, cache.head_dim)
-        return torch.matmul(qg, cache.keys(rows).transpose(-1, -2)).amax(2)  # (b, kv_heads, capacity)
+        qg = q.view(b, layer.n_kv_heads, layer.group, layer.head_dim)
+        return torch.matmul(qg, layer.keys(rows).transpose(-1, -2)).amax(2)  # (b, kv_heads, capacity)

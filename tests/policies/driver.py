@@ -7,16 +7,17 @@ import torch
 from beaconkv.cache import KVCache
 from beaconkv.models.rope import RotaryEmbedding
 from beaconkv.policies.base import EvictionPolicy
+from beaconkv.policies.driver import PolicyDriver
 from beaconkv.policies.schedules import AtBudget
 from beaconkv.policies.state import PolicyState
 
 
-def bind(policy: EvictionPolicy, cache: KVCache, rope, prompt_lengths: list[int], **kwargs) -> PolicyState:
-    """The policy's state over ``cache`` with every row admitted for prompts of these lengths (``kwargs``:
-    :meth:`~beaconkv.policies.EvictionPolicy.create_state`'s ``max_tokens`` and ``query_window``)."""
-    state = policy.create_state(cache, rope, **kwargs)
-    policy.admit(state, list(range(len(prompt_lengths))), list(prompt_lengths))
-    return state
+def bind(policy: EvictionPolicy, cache: KVCache, rope, prompt_lengths: list[int], **kwargs) -> PolicyDriver:
+    """A driver of the policy over ``cache`` with every row admitted for prompts of these lengths (``kwargs``:
+    :class:`~beaconkv.policies.PolicyDriver`'s ``max_tokens`` and ``query_window``); its state is ``.state``."""
+    driver = PolicyDriver(policy, cache, rope, **kwargs)
+    driver.admit(list(range(len(prompt_lengths))), list(prompt_lengths))
+    return driver
 
 
 def drive(
@@ -59,8 +60,9 @@ def drive(
     L = max(prompt_lengths)
     chunk = L if prefill_chunk is None else prefill_chunk
     first = [min(n, chunk) for n in prompt_lengths]
-    state = policy.create_state(cache, RotaryEmbedding(D), max_tokens=L + steps)
-    policy.admit(state, list(range(B)), list(prompt_lengths), written=first)
+    driver = PolicyDriver(policy, cache, RotaryEmbedding(D), max_tokens=L + steps)
+    state = driver.state
+    driver.admit(list(range(B)), list(prompt_lengths), written=first)
     written = [(torch.zeros(B, n_kv, L + steps, D), torch.zeros(B, n_kv, L + steps, D)) for _ in cache.layers]
     for begin in range(0, L, chunk):  # what attention does: cache, then observer
         rows = [b for b in range(B) if prompt_lengths[b] > begin]
@@ -87,9 +89,9 @@ def drive(
             for j, b in enumerate(rows):
                 wk[b, :, begin:begin + n[j]], wv[b, :, begin:begin + n[j]] = k[j, :, :n[j]], v[j, :, :n[j]]
         if begin == 0:
-            policy.after_prefill(state, rows)
+            driver.after_prefill(rows)
         else:
-            policy.after_chunk(state, rows, n)
+            driver.after_chunk(rows, n)
         check(policy, state, written, evicted=[a != b for a, b in zip(state.stats.evictions, before)], keep=keep)
     for s in range(steps):
         before = list(state.stats.evictions)
@@ -105,7 +107,7 @@ def drive(
             wk, wv = written[i]
             wk[torch.arange(B), :, pos] = k[:, :, 0]
             wv[torch.arange(B), :, pos] = v[:, :, 0]
-        policy.after_decode_step(state)
+        driver.after_decode_step()
         check(policy, state, written, evicted=[a != b for a, b in zip(state.stats.evictions, before)], keep=keep)
         if on_step is not None:
             on_step(s, state)
@@ -185,8 +187,8 @@ def drive_hand(policy, prompt, keys_at, steps, n_kv=2, head_dim=8, attention=Non
     policy observes it (its :class:`~beaconkv.policies.observer.ObservedLayer`; the state is ``layer.state``)."""
     cap = policy.capacity([prompt], steps)
     cache = KVCache.allocate(1, 1, n_kv, n_kv, cap, head_dim)
-    state = bind(policy, cache, IdentityRope(), [prompt], max_tokens=prompt + steps)
-    store, layer = cache[0], state.observers[0]
+    driver = bind(policy, cache, IdentityRope(), [prompt], max_tokens=prompt + steps)
+    store, layer = cache[0], driver.state.observers[0]
     e0 = torch.eye(head_dim)[0]
 
     def kv(ps):
@@ -196,14 +198,14 @@ def drive_hand(policy, prompt, keys_at, steps, n_kv=2, head_dim=8, attention=Non
     q = e0.expand(1, n_kv, prompt, head_dim)
     store.write_prefill(kv(ps), kv(ps), torch.tensor([ps]), torch.ones(1, prompt, dtype=torch.bool))
     layer.prefill(q, torch.tensor([ps]), torch.ones(1, prompt, dtype=torch.bool))
-    policy.after_prefill(state, [0])
+    driver.after_prefill([0])
     for s in range(steps):
         p = prompt + s
         store.append(kv([p]), kv([p]), torch.tensor([p]))
         layer.decode(e0.expand(1, n_kv, 1, head_dim), torch.tensor([p]), None)
         if attention is not None:
             attention(layer, s)
-        policy.after_decode_step(state)
+        driver.after_decode_step()
     return layer
 
 

@@ -47,7 +47,7 @@ def hand_cache(policy, seed=0) -> tuple[ObservedLayer, torch.Tensor, torch.Tenso
     observer of it (``layer.cache`` the store, ``layer.ring_buffer`` the ring, ``layer.state`` the state)."""
     g = torch.Generator().manual_seed(seed)
     cache = KVCache.allocate(1, 2, N_KV, HEADS, CAP, D)
-    layer = bind(policy, cache, RotaryEmbedding(D), PROMPTS, query_window=RING).observers[0]
+    layer = bind(policy, cache, RotaryEmbedding(D), PROMPTS, query_window=RING).state.observers[0]
     assert layer.query_window == RING
     layer.cache.k.copy_(torch.randn(layer.cache.k.shape, generator=g))
     layer.ring_buffer.queries.copy_(torch.randn(layer.ring_buffer.queries.shape, generator=g))
@@ -106,7 +106,7 @@ def attention_ref(layer, b, h_q, q, visible) -> dict[int, float]:
 
 
 def check_rows(policy, layer, rows, t, ref_fn, atol=1e-6):
-    got = policy.score(layer.state, layer.state.layers[0], layer, rows, t)
+    got = policy.score(layer, rows, t)
     assert got.shape == (len(rows), N_KV, CAP)
     for i, b in enumerate(rows.tolist()):
         for kv in range(N_KV):
@@ -164,7 +164,7 @@ def test_snapkv_score_matches_loop_reference():
         return pool_ref(raw, 5, "avg")
 
     check_rows(policy, layer, rows, t, ref)
-    observed = policy.observed_positions(layer.state, None, layer, rows, t)  # (rows, ring): -1 for stale entries
+    observed = policy.observed_positions(layer, rows, t)  # (rows, ring): -1 for stale entries
     for i, b in enumerate(rows.tolist()):
         assert sorted(observed[i][observed[i] >= 0].tolist()) == list(range(T[b] - 3, T[b] + 1))
         assert int((observed[i] == -1).sum()) == RING - 4

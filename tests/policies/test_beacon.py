@@ -48,7 +48,7 @@ def _bound_policy(policy, batch=1, n_kv=1, group=2, cap=16, D=4, window=None):
     it: ``cache.state.observers[0]``)."""
     cache = KVCache.allocate(1, batch, n_kv, n_kv * group, cap, D)
     rope = RotaryEmbedding(D)
-    cache.state = bind(policy, cache, rope, [cap // 2] * batch, max_tokens=cap, query_window=window or 0)
+    cache.state = bind(policy, cache, rope, [cap // 2] * batch, max_tokens=cap, query_window=window or 0).state
     return cache, rope
 
 
@@ -124,7 +124,7 @@ def test_max_aggregation_over_group_and_queries_matches_loops():
         layer.ring_buffer.queries[:, :, p % layer.query_window] = rq[:, :, j]
         layer.ring_buffer.query_pos[0, p % layer.query_window] = p
     _set_recent(state, 7, 5)
-    score = policy.score(state, state.layers[0], layer, torch.tensor([0]), torch.tensor([7]))
+    score = policy.score(layer, torch.tensor([0]), torch.tensor([7]))
     ref = torch.zeros(2, 10)
     keys_pos = layer.cache.pos[0]
     for kv in range(2):

@@ -161,7 +161,7 @@ def test_tova_score_is_the_last_query_attention_averaged_over_heads(group_reduce
         return [sum(col) / len(per) for col in zip(*per)]
 
     check_rows(policy, layer, rows, t, ref)
-    observed = policy.observed_positions(layer.state, None, layer, rows, t)
+    observed = policy.observed_positions(layer, rows, t)
     assert observed[:, :].max(-1).values.tolist() == t.tolist()  # the one query: step t's own
 
 
@@ -410,7 +410,8 @@ def test_triattention_sums_every_query_exactly_once():
     g = torch.Generator().manual_seed(11)
     prompts, steps, H = [5, 9], 40, 4
     cache = KVCache.allocate(1, 2, 2, H, policy.capacity(prompts, steps), D)
-    state = bind(policy, cache, RotaryEmbedding(D), prompts, max_tokens=9 + steps)
+    driver = bind(policy, cache, RotaryEmbedding(D), prompts, max_tokens=9 + steps)
+    state = driver.state
     store, layer = cache[0], state.observers[0]
     seen = torch.randn(2, H, 9 + steps, D, generator=g)  # the query each row produces at each position
     L = max(prompts)
@@ -418,13 +419,13 @@ def test_triattention_sums_every_query_exactly_once():
     positions = torch.arange(L).expand(2, L)
     store.write_prefill(torch.randn(2, 2, L, D, generator=g), torch.randn(2, 2, L, D, generator=g), positions, valid)
     layer.prefill(seen[:, :, :L], positions, valid)
-    policy.after_prefill(state, [0, 1])
+    driver.after_prefill([0, 1])
     centres = state.layers[0]
     for s in range(steps):
         pos = torch.tensor(prompts) + s
         store.append(torch.randn(2, 2, 1, D, generator=g), torch.randn(2, 2, 1, D, generator=g), pos)
         layer.decode(seen[torch.arange(2), :, pos][:, :, None], pos, None)
-        policy.after_decode_step(state)
+        driver.after_decode_step()
         for b in range(2):
             folded = int(centres.folded[b])
             assert state.t[b] - policy.window <= folded <= state.t[b]  # the ring still holds the rest
@@ -462,7 +463,8 @@ def test_triattention_norm_term_keeps_large_keys_where_the_queries_scatter():
     policy = TriAttention(16, window=8, n_recent=2)
     cap = policy.capacity([2], 16)
     cache = KVCache.allocate(1, 1, 1, 1, cap, 8)
-    state = bind(policy, cache, IdentityRope(), [2], max_tokens=18)
+    driver = bind(policy, cache, IdentityRope(), [2], max_tokens=18)
+    state = driver.state
     store, layer = cache[0], state.observers[0]
 
     def query(p):
@@ -471,11 +473,11 @@ def test_triattention_norm_term_keeps_large_keys_where_the_queries_scatter():
     store.write_prefill(torch.stack([keys_at(p, 0) for p in range(2)])[None, None].expand(1, 1, 2, 8).contiguous(),
                         torch.zeros(1, 1, 2, 8), torch.tensor([[0, 1]]), torch.ones(1, 2, dtype=torch.bool))
     layer.prefill(torch.cat([query(0), query(1)], 2), torch.tensor([[0, 1]]), torch.ones(1, 2, dtype=torch.bool))
-    policy.after_prefill(state, [0])
+    driver.after_prefill([0])
     for p in range(2, 18):
         store.append(keys_at(p, 0).view(1, 1, 1, 8), torch.zeros(1, 1, 1, 8), torch.tensor([p]))
         layer.decode(query(p), torch.tensor([p]), None)
-        policy.after_decode_step(state)
+        driver.after_decode_step()
     assert state.stats.evictions == [1]
     largest = sorted(range(2, 16), key=lambda p: -float(keys_at(p, 0).norm()))[:12]
     assert kept(layer, 0) == sorted({0, 1, 16, 17, *largest})

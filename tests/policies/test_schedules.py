@@ -72,7 +72,7 @@ def test_buffered_evicts_back_to_the_budget_every_buffer_tokens(make):
     policy = make()
     counts = []
     cap = policy.capacity([2], 30)
-    policy.after_count_change = lambda state, rows: counts.append(state.count[0])  # an instance override
+    policy.on_count_change = lambda state, rows: counts.append(state.count[0])  # an instance override
     layer = drive_hand(policy, 2, lambda p, h: torch.randn(8), steps=30)
     assert cap == layer.state.peak_tokens == 2 + 8 + 4
     assert layer.state.stats.evictions == [(30 - 12) // 4 + 1]

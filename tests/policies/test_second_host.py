@@ -87,13 +87,14 @@ def _run(cache, policy, prompts, steps, seed=0):
     g = torch.Generator().manual_seed(seed)
     B, L, first = len(prompts), max(prompts), cache[0]
     H, kv, D = first.n_heads, first.n_kv_heads, first.head_dim
-    state = bind(policy, cache, RotaryEmbedding(D), prompts, max_tokens=max(prompts) + steps)
+    driver = bind(policy, cache, RotaryEmbedding(D), prompts, max_tokens=max(prompts) + steps)
+    state = driver.state
     valid, positions = torch.arange(L)[None] < torch.tensor(prompts)[:, None], torch.arange(L).expand(B, L)
     for layer, observer in zip(cache.layers, state.observers):
         k, v, q = torch.randn(B, kv, L, D, generator=g), torch.randn(B, kv, L, D, generator=g), torch.randn(B, H, L, D, generator=g)
         layer.write_prefill(k, v, positions, valid)
         observer.prefill(q, positions, valid)
-    policy.after_prefill(state, list(range(B)))
+    driver.after_prefill(list(range(B)))
     held = [[layer.positions().clone() for layer in cache.layers]]
     for s in range(steps):
         pos = torch.tensor(prompts) + s
@@ -103,7 +104,7 @@ def _run(cache, policy, prompts, steps, seed=0):
             layer.append(k, v, pos)
             weights = logits.masked_fill(~(layer.positions() >= 0)[:, :, None], -1e9).softmax(-1)
             observer.decode(q, pos, weights if observer.needs_weights else None)
-        policy.after_decode_step(state)
+        driver.after_decode_step()
         held.append([layer.positions().clone() for layer in cache.layers])
     return held, state
 

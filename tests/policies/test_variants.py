@@ -55,10 +55,10 @@ def test_memory_zero_is_beacon_kv_and_memory_only_raises_scores():
     seen = []
 
     class Watching(MemoryBeaconKV):
-        def score(self, state, layer_state, cache, rows, t):
-            now = BeaconKV.score(self, state, layer_state, cache, rows, t)
-            out = super().score(state, layer_state, cache, rows, t)
-            seen.append(bool((out >= now).all()) and bool((layer_state.remembered[rows] == out).all()))
+        def score(self, layer, rows, t):
+            now = BeaconKV.score(self, layer, rows, t)
+            out = super().score(layer, rows, t)
+            seen.append(bool((out >= now).all()) and bool((layer.layer_state.remembered[rows] == out).all()))
             return out
 
     drive(Watching(32, n_beacon=4, n_recent=4, memory=0.7), [9], steps=80)
@@ -97,14 +97,15 @@ def test_event_refresh_takes_in_a_far_looking_query_and_ignores_a_local_one():
     policy = EventBeaconKV(64, n_beacon=2, n_recent=8, n_events=2, event_mass=0.5, event_window=4)
     B, n_kv, G, D, C = 1, 1, 2, 4, 96
     cache = KVCache.allocate(1, B, n_kv, n_kv * G, C, D)
-    state = bind(policy, cache, RotaryEmbedding(D), [6], max_tokens=C)
+    driver = bind(policy, cache, RotaryEmbedding(D), [6], max_tokens=C)
+    state = driver.state
     layer, observer = cache[0], state.observers[0]
     assert observer.needs_weights
     g = torch.Generator().manual_seed(0)
     layer.write_prefill(torch.randn(B, n_kv, 6, D, generator=g), torch.randn(B, n_kv, 6, D, generator=g),
                         torch.arange(6)[None], torch.ones(B, 6, dtype=torch.bool))
     observer.prefill(torch.randn(B, n_kv * G, 6, D, generator=g), torch.arange(6)[None], torch.ones(B, 6, dtype=torch.bool))
-    policy.after_prefill(state, [0])
+    driver.after_prefill([0])
     for p in range(6, 30):
         q = torch.randn(B, n_kv * G, 1, D, generator=g)
         layer.append(torch.randn(B, n_kv, 1, D, generator=g), torch.randn(B, n_kv, 1, D, generator=g), torch.tensor([p]))
@@ -117,7 +118,7 @@ def test_event_refresh_takes_in_a_far_looking_query_and_ignores_a_local_one():
         observer.decode(q, torch.tensor([p]), w)  # what attention hands the layer's observer
         if p == 25:
             event_q = q[0, 1, 0].clone()
-        policy.after_decode_step(state)
+        driver.after_decode_step()
     events = state.layers[0].events
     assert events.valid[0, 1].tolist() == [True, False] and events.pos[0, 1, 0].item() == 25
     torch.testing.assert_close(events.q[0, 1, 0], event_q)
@@ -158,3 +159,33 @@ def test_a_pooled_beacon_eviction_keeps_the_neighbours_of_the_looked_at_key():
     assert 20 in kept_sets[1] and 20 in kept_sets[7]
     assert set(range(17, 24)) <= kept_sets[7]
     assert not set(range(17, 24)) - {20} <= kept_sets[1]
+
+
+def test_a_policy_written_for_the_older_interface_keeps_working_with_a_warning():
+    # the custom-policy guide's older KeyNorm: score(self, state, layer_state, cache, rows, t), an old hook name
+    with pytest.warns(DeprecationWarning) as caught:
+        class OldKeyNorm(BeaconKV):
+            def score(self, state, layer_state, cache, rows, t):
+                assert state is cache.state and layer_state is cache.layer_state
+                return -cache.keys(rows).float().norm(dim=-1)
+
+            def after_evict(self, state, rows):
+                evicted.extend(rows)
+                super().on_evict(state, rows)
+
+    messages = " ".join(str(w.message) for w in caught)
+    assert "score(self, layer, rows, t)" in messages and "after_evict is now called on_evict" in messages
+    evicted: list[int] = []
+    old = drive(OldKeyNorm(32, n_beacon=4, n_recent=4, telemetry=True), [9], steps=60)[1]
+    assert old.stats.evictions[0] > 0 and evicted.count(0) == old.stats.evictions[0]
+
+
+def test_overriding_what_moved_to_the_driver_is_refused_with_the_hook_to_use():
+    with pytest.raises(TypeError, match=r"overrides evict\(\), which moved .*PolicyDriver.*before_evict"):
+        class Evicting(BeaconKV):
+            def evict(self, state, rows):
+                pass
+    with pytest.raises(TypeError, match=r"overrides admit\(\).*on_admit\(state, rows\)"):
+        class Admitting(BeaconKV):
+            def admit(self, state, rows, prompt_lengths):
+                pass

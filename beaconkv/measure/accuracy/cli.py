@@ -8,17 +8,25 @@ import sys
 import time
 from pathlib import Path
 
-from ...arguments import add_prefill_chunk_argument, add_threads_argument, int_list, positive_int, str_list
+from ...arguments import (
+    add_model_argument,
+    add_policy_arg_argument,
+    add_prefill_chunk_argument,
+    add_threads_argument,
+    int_list,
+    policy_args_by_policy,
+    positive_int,
+    str_list,
+)
 from .suite import SuiteConfig, cells_of, load_records, run_suite, summarize
 
 
 __all__ = ["QUICK", "add_accuracy_arguments", "config_from_args", "run_accuracy"]
 
-#: ``--quick``: the passkey (both protocols) and the needle in the decode at one length and 4x, four
-#: policies, 10 cases a cell (a few minutes on two cores).
 QUICK = dict(tasks=("passkey", "decode_needle"), lengths=(1024,), decode_lengths=(512,), compressions=(4.0,),
              policies=("full", "beacon", "snapkv", "streaming"), cases=10)
-
+"""``--quick``: the passkey (both protocols) and the needle in the decode at one length and 4x, four
+policies, 10 cases a cell (a few minutes on two cores)."""
 
 def _floats(text: str) -> list[float]:
     try:
@@ -44,6 +52,7 @@ def add_accuracy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compression ratios: each cell's budget is its tokens / ratio (default 4,8)")
     parser.add_argument("--policies", type=str_list, default=None,
                         help=f"beaconkv policies, registry names (default {','.join(d.policies)}; full = FullKV)")
+    add_policy_arg_argument(parser)
     parser.add_argument("--protocols", type=str_list, default=None,
                         help="aware (question in the compressed prompt), agnostic (context compressed before the "
                              "question, kvpress's protocol); default both")
@@ -57,7 +66,7 @@ def add_accuracy_arguments(parser: argparse.ArgumentParser) -> None:
     add_prefill_chunk_argument(parser)
     parser.add_argument("--batch", type=positive_int, default=d.batch, help=f"cases per session (default {d.batch})")
     parser.add_argument("--seed", type=int, default=d.seed, help="the cases' seed (default 0)")
-    parser.add_argument("--model", default="embedded", help="checkpoint (default: the embedded SmolLM2-135M)")
+    add_model_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("results/accuracy"),
                         help="output folder: results.jsonl (resumable), summary.md, summary.json, accuracy.png")
     add_threads_argument(parser)
@@ -74,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> SuiteConfig:
     Raises:
         AccuracyError: A bad setting.
         ValueError: ``--compare`` not of the form ``kvpress:PRESS,...``.
+        PolicyConfigError: A ``--policy-arg`` no listed policy takes.
     """
     base = dict(QUICK) if args.quick else {}
     for name in ("tasks", "lengths", "decode_lengths", "compressions", "policies", "protocols", "cases"):
@@ -91,8 +101,11 @@ def config_from_args(args: argparse.Namespace) -> SuiteConfig:
         unknown = [p for p in compare if p not in PRESSES]
         if unknown:
             raise ValueError(f"--compare: unknown kvpress presses {unknown}; choose from {', '.join(PRESSES)}")
+    policies = base.get("policies", SuiteConfig.policies)
+    kwargs = {name: sorted(kw.items()) for name, kw in policy_args_by_policy(args, policies).items() if kw}
     return SuiteConfig(**base, n_prefix=args.n_prefix, prefill_chunk=args.prefill_chunk, batch=args.batch,
-                       seed=args.seed, model=args.model, compare=compare, kvpress_python=args.kvpress_python)
+                       seed=args.seed, model=args.model or "embedded", compare=compare,
+                       kvpress_python=args.kvpress_python, policy_kwargs=kwargs)
 
 
 def run_accuracy(args: argparse.Namespace) -> int:

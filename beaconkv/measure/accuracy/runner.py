@@ -36,8 +36,8 @@ from .tasks import TokenizedCase, grade
 
 __all__ = ["PROTOCOLS", "CaseOutcome", "kv_bytes_per_slot", "run_cases"]
 
-#: The protocols of :func:`run_cases` (see the module docstring).
 PROTOCOLS = ("aware", "agnostic", "decode")
+"""The protocols of :func:`run_cases` (see the module docstring)."""
 
 
 @dataclass(frozen=True)

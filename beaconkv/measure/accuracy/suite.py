@@ -87,6 +87,8 @@ class SuiteConfig:
         model: Checkpoint (``"embedded"``: SmolLM2-135M-Instruct).
         compare: kvpress presses run on the same cells (``()``: none).
         kvpress_python: kvpress's interpreter (None: ``.venv-kvpress``).
+        policy_kwargs: More settings of some policies: name -> ``[(parameter, value), ...]`` (the command
+            line's ``--policy-arg``, each key going to the policies that take it).
     """
 
     tasks: tuple[str, ...] = ("passkey", "multikey", "multivalue", "vartrack", DECODE_TASK)
@@ -103,6 +105,7 @@ class SuiteConfig:
     model: str = "embedded"
     compare: tuple[str, ...] = ()
     kvpress_python: str | None = field(default=None, compare=False)
+    policy_kwargs: dict[str, list[tuple[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -121,8 +124,11 @@ class SuiteConfig:
 
     def settings(self) -> dict[str, Any]:
         """What must match for a resume: everything that changes a cell's outcome."""
-        return {"cases": self.cases, "n_prefix": self.n_prefix, "prefill_chunk": self.prefill_chunk,
-                "seed": self.seed, "model": self.model}
+        out = {"cases": self.cases, "n_prefix": self.n_prefix, "prefill_chunk": self.prefill_chunk,
+               "seed": self.seed, "model": self.model}
+        if self.policy_kwargs:  # older runs had none: their settings stay as they were
+            out["policy_kwargs"] = {k: [list(kv) for kv in v] for k, v in sorted(self.policy_kwargs.items())}
+        return out
 
 
 def _budget(tokens: int, compression: float) -> int:
@@ -227,7 +233,9 @@ def _policy(config: SuiteConfig, cell: Cell):
 
     if cell.budget is None:
         return None
-    return make_policy(cell.policy, budget=cell.budget, n_prefix=config.n_prefix, n_recent=auto_n_recent(cell.budget))
+    kwargs = {"n_prefix": config.n_prefix, "n_recent": auto_n_recent(cell.budget),
+              **dict(config.policy_kwargs.get(cell.policy, []))}
+    return make_policy(cell.policy, budget=cell.budget, **kwargs)
 
 
 def run_cell(config: SuiteConfig, cell: Cell, on_batch: Callable[[int], None] | None = None) -> dict[str, Any]:

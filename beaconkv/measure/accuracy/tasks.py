@@ -188,8 +188,6 @@ def _decode_needle(filler, rng, length, depth):
     return context, decode, " What is the pass key? The pass key is", (key,), 10
 
 
-#: Task name -> maker ``(filler, rng, length, depth) -> (context, decode, question, answers, max_new_tokens)``;
-#: for ``decode_needle``, ``length`` is the decode steps between the fact and the question.
 TASKS: dict[str, Callable] = {
     "passkey": _passkey,
     "multikey": _multikey,
@@ -197,6 +195,8 @@ TASKS: dict[str, Callable] = {
     "vartrack": _vartrack,
     "decode_needle": _decode_needle,
 }
+"""Task name -> maker ``(filler, rng, length, depth) -> (context, decode, question, answers, max_new_tokens)``;
+for ``decode_needle``, ``length`` is the decode steps between the fact and the question."""
 
 
 def make_cases(task: str, length: int, n: int, count: Callable[[str], int], seed: int = 0) -> list[Case]:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from ...cache import LayerKVCache
+from ...policies.observer import ObservedLayer
 from ...models.decoder import CausalLM
 from ...policies.base import EvictionPolicy
 from ...policies.state import PolicyState
@@ -111,12 +111,12 @@ class FutureAttentionOracle(EvictionPolicy):
         suffix = self.future.suffix.to(state.cache.layers[0].positions().device)  # type: ignore[union-attr]
         state.layers = list(suffix.unbind(0))  # per layer: (steps + 1, batch, kv, positions)
 
-    def score(self, state: PolicyState, layer_state: Any, cache: LayerKVCache, rows: Tensor, t: Tensor) -> Tensor:
-        future: Tensor = layer_state
+    def score(self, layer: ObservedLayer, rows: Tensor, t: Tensor) -> Tensor:
+        future: Tensor = layer.layer_state
         plen = self.future.prompt_lengths.to(t.device)[rows]  # type: ignore[union-attr]
         step = (t - plen + 1).clamp(0, future.shape[0] - 1)
         ahead = future[step, rows]  # (b, kv, positions)
-        pos = cache.positions(rows)
+        pos = layer.positions(rows)
         return torch.gather(ahead, -1, pos.clamp(0, ahead.shape[-1] - 1))
 
 
