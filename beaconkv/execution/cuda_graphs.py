@@ -1,4 +1,5 @@
-"""Recording a device function as a ``torch.cuda.CUDAGraph`` (the CUDA side of :class:`~beaconkv.execution.GraphExecutor`).
+"""Recording a device function as a ``torch.cuda.CUDAGraph``: the CUDA side of
+:class:`~beaconkv.execution.GraphExecutor`.
 
 :meth:`CUDAGraphRecorder.record` does, once per shape:
 

@@ -13,7 +13,8 @@ same seam (:class:`~beaconkv.execution.GraphRecorder`), and replays with a CUDA 
 * the outputs are tensors of the graph, filled with garbage (NaN, -1, True) until the first replay and
   overwritten by each one, as a CUDA graph's outputs are;
 * an operation that reads a value on the host (``.item()``, ``nonzero``...; see
-  :func:`~beaconkv.execution.no_host_sync`) cannot be recorded, as a CUDA capture cannot hold one.
+  :func:`~beaconkv.execution.no_host_sync`) cannot be recorded, as a CUDA capture cannot hold one; nor can
+  ``torch.tensor(...)`` of host data, which on CUDA is a host-to-device copy a capture cannot hold.
 
 So a runner that forgets to copy a new input into the graph's buffer, to clone an output, or to record a new
 shape again, or a device function that bakes a changing host value into its graph, gives wrong results here,
@@ -37,7 +38,7 @@ from .sync import _reason
 __all__ = ["OpReplayGraph", "OpReplayRecorder"]
 
 aten = torch.ops.aten
-_CONSTANTS = {aten.lift_fresh, aten.lift_fresh_copy}  # torch.tensor(data) inside the function: a baked constant
+_FROM_HOST = {aten.lift_fresh, aten.lift_fresh_copy}  # torch.tensor(data) inside the function
 
 
 class _Slot:
@@ -54,8 +55,8 @@ class _External:
 
     __slots__ = ("ref", "what")
 
-    def __init__(self, t: Tensor, strong: bool = False) -> None:
-        self.ref = (lambda: t) if strong else weakref.ref(t)
+    def __init__(self, t: Tensor) -> None:
+        self.ref = weakref.ref(t)
         self.what = f"{tuple(t.shape)} {t.dtype}"
 
     def get(self) -> Tensor:
@@ -118,11 +119,11 @@ class _Recording(TorchDispatchMode):
         self.made: dict[int, int] = {}  # id of a tensor an operation made -> its slot
         self.keep: list[Tensor] = []  # those tensors, alive while recording (their ids stay theirs)
 
-    def template(self, x: Any, strong: bool = False) -> Any:
+    def template(self, x: Any) -> Any:
         if not isinstance(x, Tensor):
             return x
         slot = self.made.get(id(x))
-        return _Slot(slot) if slot is not None else _External(x, strong)
+        return _Slot(slot) if slot is not None else _External(x)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -130,8 +131,12 @@ class _Recording(TorchDispatchMode):
         reason = _reason(func, args, kwargs)
         if reason is not None:
             raise GraphCaptureError(f"{func} {reason}: a graph cannot hold a host wait.")
+        if func.overloadpacket in _FROM_HOST:
+            raise GraphCaptureError(
+                "torch.tensor(...) of host data inside a recorded function: on CUDA a host-to-device copy that a "
+                "capture cannot hold (and a replay would not repeat); make it outside and pass it in, or build it on "
+                "the device (torch.full, torch.arange).")
         out = func(*args, **kwargs)
-        strong = func.overloadpacket in _CONSTANTS
         inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
         slots: list[int | None] = []
         for value in tree_flatten(out)[0]:
@@ -144,8 +149,7 @@ class _Recording(TorchDispatchMode):
             self.made[id(value)] = len(self.keep)
             self.keep.append(value)
             slots.append(self.made[id(value)])
-        self.steps.append((func, tree_map(lambda x: self.template(x, strong), args),
-                           tree_map(lambda x: self.template(x, strong), kwargs), slots))
+        self.steps.append((func, tree_map(self.template, args), tree_map(self.template, kwargs), slots))
         return out
 
 

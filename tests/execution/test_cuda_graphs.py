@@ -21,7 +21,8 @@ from .device_functions import Store, write_and_read
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cuda]
 
-RECORDERS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+RECORDERS = ["cpu", pytest.param("cuda", marks=NO_CUDA)]
 
 
 @pytest.fixture(params=RECORDERS)

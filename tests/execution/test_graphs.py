@@ -13,7 +13,6 @@ import torch
 import beaconkv
 from beaconkv.execution import (
     CompileConfig,
-    CompileError,
     CompiledExecutor,
     EagerExecutor,
     GraphCaptureError,
@@ -62,7 +61,8 @@ def test_replays_give_the_eager_results_and_write_the_objects_tensors_in_place()
 def test_a_new_shape_a_new_plain_value_or_a_new_object_records_another_graph():
     executor = _executor(record_after=0)
     store, other = Store(), Store()
-    calls = [(store, torch.ones(3), 0.5), (store, torch.ones(4), 0.5), (store, torch.ones(3), 0.25), (other, torch.ones(3), 0.5)]
+    calls = [(store, torch.ones(3), 0.5), (store, torch.ones(4), 0.5), (store, torch.ones(3), 0.25),
+             (other, torch.ones(3), 0.5)]
     for args in calls * 2:
         executor.run(write_and_read, *args)
     assert len(executor.graphs) == 4 and executor.replays == 4 and executor.eager_calls == 0
@@ -73,7 +73,8 @@ def test_a_changed_host_flag_records_another_graph_and_the_results_follow_it():
     executor = _executor(record_after=0)
     for i, x in enumerate(_inputs(10)):
         eager_store.doubled = graph_store.doubled = i >= 5  # e.g. a sampling mode that a new request changes
-        torch.testing.assert_close(executor.run(write_and_read, graph_store, x, 1.0), write_and_read(eager_store, x, 1.0))
+        got = executor.run(write_and_read, graph_store, x, 1.0)
+        torch.testing.assert_close(got, write_and_read(eager_store, x, 1.0))
     assert len(executor.graphs) == 2
     assert host_flags(graph_store) == (True,)  # the bool; the int counter and the tensors are not flags
 

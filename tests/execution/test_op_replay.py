@@ -4,6 +4,8 @@ wrong goes wrong in the CPU tests too."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -18,7 +20,8 @@ def test_a_recorded_graph_replays_its_operations_on_the_same_tensors():
     store, x = Store(), torch.ones(3)
     out, graph = OpReplayRecorder().record(lambda: write_and_read(store, x, 1.0))
     assert int(store.count) == 1  # recording is one real run
-    assert graph.outputs is not out and torch.isnan(graph.outputs).all()  # the graph's own outputs: garbage until a replay
+    # the graph's own outputs: garbage until a replay
+    assert graph.outputs is not out and torch.isnan(graph.outputs).all()
     x.fill_(2.0)  # a new input, in the buffer the graph reads
     graph.replay()
     ref = Store()
@@ -52,12 +55,16 @@ def test_a_host_wait_cannot_be_recorded():
     assert isinstance(info.value, CompileError)
     with pytest.raises(GraphCaptureError, match="nonzero"):
         OpReplayRecorder().record(lambda: torch.ones(3).nonzero())
+    # a tensor of host data made inside: on CUDA a host-to-device copy, which a capture cannot hold either
+    with pytest.raises(GraphCaptureError, match=r"torch.tensor\(...\) of host data"):
+        OpReplayRecorder().record(lambda: torch.ones(3) + torch.tensor([1.0, 2.0, 3.0]))
 
 
 def test_a_replay_that_reads_a_freed_tensor_raises():
-    holder = Store()
-    _, graph = OpReplayRecorder().record(lambda: holder.buf + 1.0)
-    del holder
+    buf = torch.zeros(6)
+    _, graph = OpReplayRecorder().record(functools.partial(torch.add, buf, 1.0))  # nothing else holds the call
+    graph.replay()
+    del buf  # the only reference: a CUDA graph would now read freed memory
     with pytest.raises(GraphCaptureError, match="freed"):
         graph.replay()
 
