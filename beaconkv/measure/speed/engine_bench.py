@@ -97,6 +97,15 @@ def workload_prompts(tokenizer: Tokenizer, n: int, max_tokens: int = 128) -> lis
     return prompts
 
 
+def random_workload_prompts(n: int, max_tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of random token ids, of lengths spread over ``max_tokens // 2 .. max_tokens`` — for a
+    random-weight model without a tokenizer (a GPU run: speed depends on the lengths, not on the ids)."""
+    g = torch.Generator().manual_seed(seed)
+    low = max(1, max_tokens // 2)
+    lengths = torch.randint(low, max_tokens + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
 @dataclass
 class EngineRow:
     """One scheduling mode of one policy on the workload.
@@ -178,7 +187,7 @@ def raise_failed(completions: Sequence[Completion]) -> Sequence[Completion]:
     return completions
 
 
-def run_engine_mode(model: CausalLM, tokenizer: Tokenizer, policy_name: str, budget: int | None,
+def run_engine_mode(model: CausalLM, tokenizer: Tokenizer | None, policy_name: str, budget: int | None,
                     prompts: list[list[int]], lengths: list[int], slots: int, static: bool,
                     compile_config: CompileConfig | None, kv_storage: str = "dense", kernels: str = "auto") -> EngineRow:
     """The workload through one engine; ``static`` admits a batch only when the previous one finished.
@@ -256,7 +265,7 @@ def run_transformers_mode(hf_model: Any, prompts: list[list[int]], lengths: list
 
 
 def measure_engine(
-    model: CausalLM, tokenizer: Tokenizer, requests: int, min_new: int, max_new: int, memory_limit: float,
+    model: CausalLM, tokenizer: Tokenizer | None, requests: int, min_new: int, max_new: int, memory_limit: float,
     budget: int, max_slots: int, compile_config: CompileConfig | None, hf_model: Any = None,
     log: Callable[[str], None] = print, prompt_tokens: int = 128, kernels: str = "auto",
 ) -> tuple[list[EngineRow], dict[str, Any]]:
@@ -264,7 +273,8 @@ def measure_engine(
 
     Args:
         model: The model (its dtype sizes the caches).
-        tokenizer: Its tokenizer.
+        tokenizer: Its tokenizer: the prompts are MATH-500 problems in its chat template (None: random token ids,
+            :func:`random_workload_prompts`, for a random-weight model).
         requests: Requests in the workload.
         min_new: Fewest new tokens a request asks for.
         max_new: Most new tokens a request asks for.
@@ -281,7 +291,8 @@ def measure_engine(
         The rows and the workload's description (lengths, prompt lengths, slots per policy).
     """
     lengths = workload_lengths(requests, min_new, max_new)
-    prompts = workload_prompts(tokenizer, requests, prompt_tokens)
+    prompts = (workload_prompts(tokenizer, requests, prompt_tokens) if tokenizer is not None
+               else random_workload_prompts(requests, prompt_tokens, model.config.vocab_size))
     per_token = kv_bytes_per_token(model.config, model.dtype)
     prompt_cap = max(map(len, prompts))
     slots = {"full": slots_for(memory_limit, prompt_cap + max_new, per_token, max_slots),

@@ -1,14 +1,15 @@
-"""Compiled decode against eager on one batch: ms per step, token agreement, compiled evictions.
+"""Recorded CUDA graphs and compiled decode against eager on one batch: ms per step, token agreement, evictions.
 
-The second stage of ``scripts/gpu_check.sh``: on a GPU the compiled step replays as CUDA graphs, so
-this is where their speed-up and their agreement with eager decoding are read; on a CPU (``--smoke``)
-the same code runs with a tiny model to prove that the stage works. For each policy (FullKV and
-BeaconKV) the batch is decoded eagerly once, then, for each decode-step shape of ``--compile-shapes``
-in turn (``regions``: one graph whose layers are one nested compile region, compiled from one layer;
-``whole``: one graph with every layer traced; see :class:`~beaconkv.execution.CompileConfig`), compiled
-twice (the second compiled run is warm: no compile time in its figure), and one line is printed as
-soon as it is measured, so a shape whose compile outlasts the stage's time limit still leaves the
-lines of the shapes before it::
+Where the CUDA default is decided: the eager step recorded as CUDA graphs (``graphs``, the default on CUDA: no code
+generation) against ``torch.compile``'s shapes, which must measure faster to replace it. The last stage of
+``scripts/gpu_check.sh`` (``graph_vs_compile``; inductor's cold compiles take minutes, so it runs when the deadline
+leaves room); on a CPU (``--smoke``) the same code runs with a tiny model, the graphs through the op-replay
+recorder, to prove that the stage works. For each policy (FullKV and BeaconKV) the batch is decoded eagerly once,
+then, for each shape of ``--compile-shapes`` in turn (``graphs``: the eager step and evictions recorded as CUDA
+graphs; ``regions``: one compiled graph whose layers are one nested compile region, compiled from one layer;
+``whole``: one compiled graph with every layer traced; see :class:`~beaconkv.execution.CompileConfig`), twice (the
+second run is warm: no compile or recording time in its figure), and one line is printed as soon as it is
+measured, so a shape whose compile outlasts the time left still leaves the lines of the shapes before it::
 
     BeaconKV(128) [regions]: eager 21.40 ms/step, compiled 6.10 ms/step (3.5x), first compile 41.2 s, 8/8 sequences identical to eager, 16 compiled evictions
 
@@ -18,6 +19,7 @@ Run ``python -m beaconkv.measure.speed.graph_decode --help`` for the options.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,7 +36,31 @@ from ...policies.beacon import BeaconKV
 from .compile_time import shape_compile_config
 from .machine import DTYPES, random_prompts
 
-__all__ = ["GraphDecodeRow", "main", "measure_graph_decode"]
+__all__ = ["GraphDecodeRow", "graph_decode_configs", "main", "measure_graph_decode"]
+
+GRAPHS = "graphs"
+"""The shape name of the recorded CUDA graphs (:class:`~beaconkv.execution.GraphExecutor`)."""
+
+
+def graph_decode_configs(shapes: str, backend: str = "inductor", recorder: str = "cuda") -> dict[str, CompileConfig]:
+    """The execution of each comma-separated shape name: ``graphs`` (recorded CUDA graphs, through ``recorder``),
+    or a compiled shape (:func:`~beaconkv.measure.speed.compile_time.shape_compile_config`) with ``backend``.
+
+    Raises:
+        ValueError: An unknown shape name.
+    """
+    configs = {}
+    for shape in (s.strip() for s in shapes.split(",")):
+        if not shape:
+            continue
+        if shape == GRAPHS:
+            configs[shape] = CompileConfig(strategy="graphs", recorder=recorder)
+            continue
+        try:
+            configs[shape] = dataclasses.replace(shape_compile_config(shape, backend), strategy="compile")
+        except ValueError as err:
+            raise ValueError(f"{err} Or '{GRAPHS}': the eager step recorded as CUDA graphs.") from err
+    return configs
 
 
 @dataclass(frozen=True)
@@ -43,14 +69,14 @@ class GraphDecodeRow:
 
     Attributes:
         policy: ``"FullKV"`` or ``"BeaconKV(<budget>)"``.
-        shape: The compiled decode step's shape (``"regions"``, ``"whole"``; a name of ``--compile-shapes``).
+        shape: The decode step's execution (``"graphs"``, ``"regions"``, ``"whole"``; a name of ``--compile-shapes``).
         eager_ms: Eager decode, ms per step (prefill excluded).
-        compiled_ms: Warm compiled decode, ms per step.
+        compiled_ms: Warm decode in that shape (recorded graphs replayed, or compiled), ms per step.
         identical: Sequences whose tokens equal the eager run's.
         batch: Sequences decoded.
         compiled_evictions: Evictions that ran as compiled graphs in the warm run.
-        compile_s: Seconds the first compiled run in this shape spent compiling (graphs that an earlier run in
-            the process compiled with the same settings are reused, not counted).
+        compile_s: Seconds the first run in this shape spent compiling or recording graphs (graphs that an earlier
+            run in the process compiled with the same settings are reused, not counted).
     """
 
     policy: str
@@ -122,17 +148,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend (default inductor: CUDA graphs on a GPU; aot_eager checks the "
                              "graphs quickly)")
-    parser.add_argument("--compile-shapes", default="regions,whole",
-                        help="decode-step shapes to compile, in this order: regions (one graph, its layers one "
-                             "nested compile region: compiles from one layer), whole (every layer traced), "
-                             "layerwise (a graph per layer, no CUDA graphs) (default regions,whole)")
+    parser.add_argument("--compile-shapes", default="graphs,regions,whole",
+                        help="decode-step executions, in this order: graphs (the eager step recorded as CUDA graphs: "
+                             "the CUDA default), regions (one compiled graph, its layers one nested compile region: "
+                             "compiles from one layer), whole (every layer traced), layerwise (a compiled graph per "
+                             "layer, no CUDA graphs) (default graphs,regions,whole)")
+    parser.add_argument("--recorder", default=None, choices=("cuda", "op_replay"),
+                        help="what records the graphs shape (default: cuda on a GPU, op_replay on a CPU)")
     args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        configs = {shape: shape_compile_config(shape, args.compile_backend)
-                   for shape in (s.strip() for s in args.compile_shapes.split(",")) if shape}
+        configs = graph_decode_configs(args.compile_shapes, args.compile_backend,
+                                       args.recorder or ("cuda" if device.type == "cuda" else "op_replay"))
     except ValueError as err:
         parser.error(str(err))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
     if args.model in RANDOM_SHAPES:
         model = random_model(RANDOM_SHAPES[args.model](), dtype, device)
