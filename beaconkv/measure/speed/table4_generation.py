@@ -222,11 +222,12 @@ def measure_policy(model: CausalLM, name: str, batch: int, setting: Table4Settin
     eviction_ms = None
     if not policy.evicts:
         for i, fill in enumerate(_fills(setting, session.cache.capacity)):
-            if fill != setting.prompt or i:
+            if fill != setting.prompt or i:  # the first point: where the real prompt and the warm-up left the rows
                 fill_rows(session, fill, seed=i)
                 time_window(session, 1)
+            held = _held(session)
             seconds, _ = time_window(session, w)
-            points.append(FillPoint(fill, w, 1e3 * seconds / w))
+            points.append(FillPoint(held, w, 1e3 * seconds / w))
     else:
         top = setting.prompt + setting.budget - 1  # one step to the budget: that step evicts
         for i in range(3):  # evictions of every row: eager, recorded, replayed (and the step's warm-up)
@@ -263,6 +264,11 @@ def measure_policy(model: CausalLM, name: str, batch: int, setting: Table4Settin
     if cuda:
         torch.cuda.empty_cache()
     return row
+
+
+def _held(session: Session) -> int:
+    """Tokens the first row holds now (its protected prefix and its evictable tokens)."""
+    return session.state.prefix[0] + session.state.count[0]
 
 
 def _interpolate(points: list[FillPoint], fills: list[int]) -> float:
