@@ -58,6 +58,7 @@ for _ in range(30):
         importlib.import_module("beaconkv.measure.speed.gpu_check")
         importlib.import_module("beaconkv.measure.speed.table4_generation")
         importlib.import_module("beaconkv.measure.speed.engine_bench")
+        importlib.import_module("beaconkv.measure.speed.graph_decode")
         break
     except ModuleNotFoundError as err:
         name = (err.name or "").split(".")[0]
