@@ -101,7 +101,7 @@ def test_inside_table4_each_measurement_checks_the_time_left(llama, capsys) -> N
     result = run_table4_generation(llama, setting, False, Deadline(1010.0, lambda: now[0]),
                                    {"full": 20.0, "beacon": 5.0}, label="tiny llama")
     assert [r["policy"] for r in result["rows"]] == ["beacon", "beacon"]
-    assert "full batch 2 batch 2" in result["skipped"][0]["part"] and result["skipped"][0]["need_s"] == 20
+    assert result["skipped"][0]["part"] == "full [batch 2] batch 2" and result["skipped"][0]["need_s"] == 20
 
 
 def test_stage_plans_name_missing_packages_and_keep_the_order(monkeypatch) -> None:

@@ -37,6 +37,7 @@ def test_a_deadline_without_a_moment_never_runs_out():
     assert Deadline(None).fits(1e9) and Deadline(None).left() == float("inf")
     assert Deadline(50.0, lambda: 60.0).left() == 0.0
     assert Deadline(100.0, lambda: 40.0).skipped(75) == "skipped: would need ~75 s, 60 s left"
+    assert Deadline(100.0, lambda: 99.0).skipped(2.25) == "skipped: would need ~2.2 s, 1 s left"
 
 
 @pytest.mark.parametrize("name", ["full", "beacon"])
@@ -52,10 +53,10 @@ def test_a_row_has_its_fills_its_evictions_and_the_prediction(llama, name):
         assert list(row.ms_per_step)[0] == 8 + kept and row.evictions > 0 and row.eviction_ms >= 0
     text = markdown_table4_generation({"model": "tiny", "dtype": "float32", "device": "cpu",
                                        "setting": {"batch": 2, "prompt": 8, "new_tokens": 96},
-                                       "rows": [row.__dict__], "skipped": [{"part": "beacon largest batch",
+                                       "rows": [row.__dict__], "skipped": [{"part": "beacon [largest batch]",
                                                                            "why": "no device memory given"}]})
     assert f"| {'FullKV' if name == 'full' else 'BeaconKV (32)'}, batch 2 | 2 | — |" in text
-    assert "beacon largest batch: skipped (no device memory given)" in text
+    assert "beacon [largest batch]: skipped (no device memory given)" in text
 
 
 @pytest.mark.cuda

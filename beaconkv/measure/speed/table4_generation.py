@@ -77,7 +77,8 @@ class Deadline:
 
     def skipped(self, need_s: float) -> str:
         """The line that says a piece of work was skipped: ``skipped: would need ~N s, M s left``."""
-        return f"skipped: would need ~{need_s:.0f} s, {self.left():.0f} s left"
+        need = f"{need_s:.0f}" if need_s >= 10 else f"{need_s:.1f}"
+        return f"skipped: would need ~{need} s, {self.left():.0f} s left"
 
 
 @dataclass(frozen=True)
@@ -340,10 +341,10 @@ def run_table4_generation(model: CausalLM, setting: Table4Setting, compile_confi
     parts = [(name, setting.batch, f"batch {setting.batch}") for name in names]
     for name, row in zip(names, plan):
         if row.max_batch is None:
-            result["skipped"].append({"part": f"{name} largest batch", "why": "no device memory given"})
+            result["skipped"].append({"part": f"{name} [largest batch]", "why": "no device memory given"})
             log(f"{name} [largest batch]: skipped: no device memory to plan in (a CPU run without --device-memory)")
         elif row.max_batch < 1:
-            result["skipped"].append({"part": f"{name} largest batch", "why": "not one sequence fits"})
+            result["skipped"].append({"part": f"{name} [largest batch]", "why": "not one sequence fits"})
             log(f"{name} [largest batch]: skipped: not one sequence fits {MEMORY_FRACTION:.0%} of the device")
         else:
             parts.append((name, min(row.max_batch, setting.max_batch), "largest batch"))
@@ -362,8 +363,8 @@ def run_table4_generation(model: CausalLM, setting: Table4Setting, compile_confi
         limit = largest_deadline if part == "largest batch" and largest_deadline is not None else deadline
         if not limit.fits(need):
             log(f"{name} [{part}] batch {batch}: {limit.skipped(need)}")
-            result["skipped"].append({"part": f"{name} {part} batch {batch}", "need_s": round(need),
-                                      "left_s": round(limit.left())})
+            result["skipped"].append({"part": f"{name} [{part}] batch {batch}", "need_s": round(need, 1),
+                                      "left_s": round(limit.left(), 1)})
             save()
             continue
         try:
@@ -372,7 +373,7 @@ def run_table4_generation(model: CausalLM, setting: Table4Setting, compile_confi
             torch.cuda.empty_cache()
             smaller = max(1, int(batch * 0.9))
             log(f"{name} [{part}] batch {batch}: out of memory" + (f"; trying batch {smaller}" if batch > 1 else ""))
-            result["skipped"].append({"part": f"{name} {part} batch {batch}", "why": "out of memory"})
+            result["skipped"].append({"part": f"{name} [{part}] batch {batch}", "why": "out of memory"})
             if part == "largest batch" and batch > 1:
                 queue.insert(0, (name, smaller, part))
             save()
