@@ -16,7 +16,8 @@ reduce-overhead steps and vLLM's captured batch sizes):
   :class:`~beaconkv.sampling.SamplingMode`). The function's Python branches read these when it is
   recorded and are baked into the graph, so a changed flag is another key;
 * **eager until a key repeats**: the first call of a key runs eagerly (a prompt length met once is
-  never recorded), the next records (:attr:`GraphExecutor.record_after`);
+  never recorded, and whatever a function makes lazily on its first call — a table it caches — is made by a
+  real run, not by a capture that executes nothing), the next records (:attr:`GraphExecutor.record_after`);
 * **static inputs**: tensor arguments are copied into buffers the graph owns before every replay
   (device-to-device copies, no host wait); arguments the function writes in place are copied back
   after it. The tensors an argument *object* holds (the cache, the policy's state, the sampling
@@ -152,8 +153,7 @@ def host_flags(obj: Any) -> tuple[Any, ...]:
     return tuple([_flag(attributes.get(n)) for n in names])
 
 
-_PLAIN_TYPES = frozenset({bool, int, float, str, type(None), torch.dtype, torch.device})
-_SEQUENCES = (tuple, list)
+_PLAIN_TYPES = frozenset({bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size})
 
 
 def _signature(x: Any, tensors: list[Tensor], objects: list[Any], seen: dict[int, int]) -> Hashable:
@@ -168,7 +168,7 @@ def _signature(x: Any, tensors: list[Tensor], objects: list[Any], seen: dict[int
         seen[id(x)] = len(tensors)
         tensors.append(x)
         return _TENSOR, x.shape, x.dtype, x.device
-    if kind in _SEQUENCES:
+    if isinstance(x, (tuple, list)):  # named tuples too
         return kind, tuple([_signature(v, tensors, objects, seen) for v in x])
     if isinstance(x, enum.Enum):
         return kind, x
@@ -182,8 +182,9 @@ def _substitute(x: Any, buffers: Iterator[Tensor], seen: dict[int, Tensor]) -> A
         if id(x) not in seen:
             seen[id(x)] = next(buffers)
         return seen[id(x)]
-    if type(x) in _SEQUENCES:
-        return type(x)(_substitute(v, buffers, seen) for v in x)
+    if isinstance(x, (tuple, list)):
+        items = [_substitute(v, buffers, seen) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
     return x
 
 

@@ -116,6 +116,22 @@ def test_tensor_arguments_written_in_place_are_copied_back():
     assert executor.replays == 3 and [e.written for e in executor.graphs.values()] == [[0]]
 
 
+def test_tensors_inside_tuples_named_tuples_and_lists_are_inputs_too():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+
+    def combine(pair: Pair, rest: list, size: torch.Size) -> torch.Tensor:
+        return (pair.a * pair.b + rest[0]).reshape(size)
+
+    executor = _executor()
+    for i in range(4):
+        a, b, c = torch.full((4,), float(i)), torch.arange(4.0), torch.ones(4)
+        got = executor.run(combine, Pair(a, b), [c], torch.Size([2, 2]))
+        torch.testing.assert_close(got, (a * b + c).reshape(2, 2))
+    assert executor.replays == 2 and len(executor.graphs) == 1
+
+
 def test_the_same_tensor_twice_shares_one_buffer():
     def add_into(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a.add_(1.0)
