@@ -382,6 +382,8 @@ def policy_settings(args: argparse.Namespace, default_budget: int = DEFAULT_BUDG
     if "n_recent" not in kwargs and isinstance(budget, int) and budget >= 1:
         params = policy_parameters(args.policy)
         own, ratio = params.get("n_recent"), kwargs.get("ratio", params.get("ratio"))
+        if own == "auto":  # the policy would fit it too; written out, the runs' recorded settings stay as they were
+            own = getattr(policy_class(args.policy), "default_n_recent", None)
         if isinstance(own, int) and isinstance(ratio, (int, float)) and 0 < ratio < 1:
             fitted = auto_n_recent(budget, own, ratio)
             if fitted != own:

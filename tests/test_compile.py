@@ -155,9 +155,9 @@ def test_beacon_maintenance_sampler_call_is_one_graph_for_all_layers(llama):
     """Compression, freeze and roll sample every layer in one compiled call; an override stays the user's."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from beaconkv.policies.samplers import ContinualFPS
+    from beaconkv.policies.query_selection import FPS
 
-    class FreshFPS(ContinualFPS):  # a new type: its graph is compiled fresh
+    class FreshFPS(FPS):  # a new type: its graph is compiled fresh
         pass
 
     # written by the override inside the graph: device tensors, not Python lists (a list the graph appends

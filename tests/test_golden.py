@@ -5,7 +5,7 @@ See :mod:`tests.golden` for the runs; the fixture was recorded with the pre-refa
 One behaviour changed on purpose in the same change: FPS now breaks ties between exact duplicate
 points on the lowest index (SPEC §3) with a tolerance of a rounding step (``TIE_RTOL``), where the old
 code took the exact minimum of GEMM-rounded scores (a later duplicate could win). BeaconKV therefore
-runs here with ``ContinualFPS(tie_rtol=0)`` — the old rule — so that the refactor itself is checked
+runs here with ``FPS(tie_rtol=0)`` — the old rule — so that the refactor itself is checked
 bit for bit; :func:`test_the_tie_rule_changes_only_rows_with_duplicate_candidates` checks the
 default rule's difference.
 
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import beaconkv
-from beaconkv.policies import ContinualFPS, make_policy
+from beaconkv.policies import FPS, make_policy
 
 from .golden import CASES, FIXTURE, NEW_TOKENS, POLICIES, PROMPTS, digest
 
@@ -60,7 +60,7 @@ def test_tokens_and_kept_positions_equal_the_recorded_run(embedded, case, name):
     want = GOLDEN[f"{case}/{name}"]
     kwargs = {} if name == "full" else {"budget": 32, "n_recent": 4, **CASES[case]}
     if name in ("beacon", "initial_recent"):
-        kwargs["sampler"] = ContinualFPS(tie_rtol=0.0)  # the pre-refactor tie rule (see the module docstring)
+        kwargs["sampler"] = FPS(tie_rtol=0.0)  # the pre-refactor tie rule (see the module docstring)
     policy = make_policy(name, telemetry=True, **kwargs)
     out = beaconkv.generate(model, tok, PROMPTS, chat=True, max_new_tokens=NEW_TOKENS, eos_token_ids=[], policy=policy)
     records = [(r.step, r.layer, list(r.rows), r.kept_positions.tolist()) for r in out.telemetry]

@@ -64,6 +64,6 @@ def test_every_error_beaconkv_defines_is_one_family_and_keeps_its_builtin_kind()
 
 
 def test_a_sampler_setting_error_is_a_policy_config_error():
-    from beaconkv.policies.samplers import KMeans
+    from beaconkv.policies.query_selection import KMeans
     with pytest.raises(beaconkv.PolicyConfigError, match="n_iter=-1"):
         KMeans(n_iter=-1)

@@ -37,6 +37,7 @@ from torch import nn
 from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, DynamicCache, LinearAttentionCacheLayerMixin,
                                       get_layer_types_and_kwargs)
 
+from ..errors import BeaconKVError
 from .errors import UnsupportedArchitectureError
 from .hooks import decoder_layers
 from .rotary import HFRotary
@@ -176,7 +177,7 @@ def check_model(model: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------------- internals
-class _Written(Exception):
+class _Written(BeaconKVError):
     """Ends a probe's forward at its first cache write, carrying the shapes written."""
 
     def __init__(self, keys: tuple[int, ...], values: tuple[int, ...]) -> None:

@@ -570,7 +570,7 @@ def analyze_policy(args: argparse.Namespace) -> EvictionPolicy:
     settings = policy_settings(args, WORKLOAD_BUDGETS["analyze"])
     kwargs = dict(settings.kwargs)
     if settings.budget is not None and "n_beacon" in policy_parameters(settings.name) and "n_beacon" not in kwargs:
-        kwargs["n_beacon"] = kwargs.get("n_recent", policy_parameters(settings.name)["n_recent"])
+        kwargs["n_beacon"] = kwargs.get("n_recent", settings.build().n_recent)  # "auto" resolved by the policy
     return make_policy(settings.name, settings.budget, **kwargs)
 
 

@@ -35,7 +35,7 @@ from .registry import (
 )
 from .rkv import RKV
 from .rpc import RPC
-from .samplers import FPS, ContinualFPS, KMeans, NaiveFPS, QuerySampler
+from .query_selection import FPS, KMeans, QuerySelector, make_selector, parse_selector
 from .schedules import AtBudget, Buffered, Periodic, Schedule, parse_schedule
 from .snapkv import SnapKV
 from .state import EvictionRecord, PolicyState, PolicyStats
@@ -50,10 +50,9 @@ __all__ = [
     "SnapKV", "StreamingLLM",
     # rivals from the literature beyond the paper's baselines (docs/spec.md, §5)
     "ExpectedAttention", "KeyDiff", "KNorm", "LazyEviction", "TOVA", "TriAttention",
-    # writing a policy: the base classes, its state and records, what it sees of a layer, the query samplers
-    "ContinualFPS", "EvictionPolicy", "EvictionRecord", "FPS", "KMeans", "NaiveFPS", "ObservedLayer", "PolicyDriver",
-    "PolicyState",
-    "PolicyStats", "QueryRing", "QuerySampler", "RecentWindowPolicy",
+    # writing a policy: the base classes, its driver, state and records, what it sees of a layer, query selection
+    "EvictionPolicy", "EvictionRecord", "FPS", "KMeans", "ObservedLayer", "PolicyDriver", "PolicyState", "PolicyStats",
+    "QueryRing", "QuerySelector", "RecentWindowPolicy", "make_selector", "parse_selector",
     # when a policy evicts and how much it keeps: the schedules
     "AtBudget", "Buffered", "Periodic", "Schedule", "parse_schedule",
     # how an eviction's keep count is split between a layer's KV heads: the allocations

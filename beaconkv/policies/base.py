@@ -66,7 +66,7 @@ from torch import Tensor
 
 from ..cache import KVCache
 from ..execution import Executor
-from .config import PolicyConfigError, check_int, check_number
+from .config import PolicyConfigError, auto_n_recent, check_int, check_number
 from .allocation import Allocation, Uniform, parse_allocation
 from .observer import ObservedLayer, QueryRing
 from .schedules import AtBudget, Schedule, parse_schedule
@@ -123,7 +123,9 @@ class EvictionPolicy:
     Args:
         budget: ``B_max``, evictable tokens per sequence and KV head; None = never evict.
         n_prefix: Protected leading tokens; None = the whole prompt of each sequence.
-        n_recent: The last ``n_recent`` tokens are never evicted.
+        n_recent: The last ``n_recent`` tokens are never evicted. ``"auto"`` (the default): 16, or
+            ``budget // 8`` where the eviction step ``budget - B_min`` leaves fewer than 16 slots (budget 64:
+            8), as the command line's ``--n-recent auto``.
         ratio: ``B_min = floor(ratio * budget)``, in (0, 1).
         schedule: When to evict and how many evictable tokens survive (a
             :class:`~beaconkv.policies.schedules.Schedule`, or its spec for
@@ -149,7 +151,7 @@ class EvictionPolicy:
     budget: int | None = None
     _: KW_ONLY
     n_prefix: int | None = None
-    n_recent: int = 16
+    n_recent: int | str = "auto"
     ratio: float = 7 / 8
     schedule: Schedule = AtBudget()
     allocation: Allocation = Uniform()
@@ -157,6 +159,8 @@ class EvictionPolicy:
 
     #: Short registry name.
     name: ClassVar[str] = "base"
+    #: ``n_recent`` when the budget allows it (``n_recent="auto"``, the default, lowers it for small budgets).
+    default_n_recent: ClassVar[int] = 16
     #: Whether attention layers must report decode attention weights (to :meth:`observe_attention`).
     track_attention: ClassVar[bool] = False
     #: The class of :meth:`create_state`'s result.
@@ -195,6 +199,11 @@ class EvictionPolicy:
                 setattr(cls, name, _adapt_old_signature(method))
 
     def __post_init__(self) -> None:
+        if self.n_recent == "auto":  # the command line's --n-recent auto, the same in Python
+            ratio_ok = isinstance(self.ratio, (int, float)) and 0 < self.ratio < 1
+            budget_ok = isinstance(self.budget, int) and not isinstance(self.budget, bool) and self.budget >= 1
+            self.n_recent = (auto_n_recent(self.budget, self.default_n_recent, self.ratio) if budget_ok and ratio_ok
+                             else self.default_n_recent)
         self.schedule = parse_schedule(self.schedule)
         self.allocation = parse_allocation(self.allocation)
         self.validate()

@@ -19,7 +19,7 @@ arrived *now*, where would it look?" (SPEC §4):
 6. Roll: the observation set becomes FPS(beacons ∪ recent, ``B_min^Q``); back to 2.
 
 Where the queries the beacons are drawn from live is a :class:`~beaconkv.policies.lifecycles.QueryLifecycle`,
-chosen by the sampler: a bounded observation set (Continual FPS, steps 1, 2 and 6) or the whole
+chosen by the ``query_memory`` setting: a bounded observation set (Continual FPS, steps 1, 2 and 6) or the whole
 query history (Naive FPS, K-Means). Queries are stored per query head, pre-RoPE (after Qwen3's
 ``q_norm``), and re-rotated with the model's own rotary module. Pending decode queries live in each
 layer's query ring (the policy's observer of the layer) until the host folds them in, so the decode step itself stays a plain in-place write.
@@ -36,9 +36,9 @@ from torch import Tensor
 from .observer import ObservedLayer
 from .base import EvictionPolicy
 from .config import PolicyConfigError, check_choice, check_int, check_number
-from .lifecycles import BoundedObservation, QueryHistory, QueryLifecycle, ring_set
+from .lifecycles import BoundedObservation, Phase, QueryHistory, QueryLifecycle, ring_set
 from .query_set import QuerySet
-from .samplers import ContinualFPS, QuerySampler
+from .query_selection import FPS, QuerySelector, parse_selector
 from .scoring import attention_probs, pool_slots, reduce_group, reduce_queries
 from .state import PolicyState
 
@@ -68,8 +68,7 @@ class BeaconState(PolicyState):
     Attributes:
         beacons: Every layer's beacons, stacked ``(layers, batch, heads, n_beacon, head_dim)``.
         obs: Every layer's observation set, stacked (bounded lifecycle; None otherwise).
-        phase: Host, per row: ``"accumulate"``, ``"frozen"`` (beacons chosen, recent queries
-            gathering) or ``"static"`` (Initial+Recent).
+        phase: Host, per row: where it is in its cycle (:class:`~beaconkv.policies.lifecycles.Phase`).
         obs_since: Host, per row: newest position already folded into the observation set.
         obs_count: Host, per row: vectors in the observation set.
         recent_since: Host, per row: exclusive lower position bound of the recent queries.
@@ -79,7 +78,7 @@ class BeaconState(PolicyState):
 
     beacons: QuerySet | None = None
     obs: QuerySet | None = None
-    phase: list[str] = field(default_factory=list)
+    phase: list[Phase] = field(default_factory=list)
     obs_since: list[int] = field(default_factory=list)
     obs_count: list[int] = field(default_factory=list)
     recent_since: list[int] = field(default_factory=list)
@@ -103,8 +102,13 @@ class BeaconKV(EvictionPolicy):
         aggregation: ``"max"`` (paper), ``"mean"`` or ``"logsumexp"`` (smooth max, beyond the paper)
             over queries and the GQA group.
         temperature: Temperature of ``logsumexp``.
-        sampler: Chooses beacons; :class:`~beaconkv.policies.samplers.ContinualFPS` (bounded buffer)
-            by default. Unbounded samplers (``NaiveFPS``, ``KMeans``) see the whole query history.
+        sampler: Selects the beacons (and compresses the observation set):
+            :class:`~beaconkv.policies.query_selection.FPS` by default, ``KMeans``, a selector of one's own,
+            or a spec string (``"kmeans:n_iter=2"``, :func:`~beaconkv.policies.query_selection.parse_selector`).
+        query_memory: Where the candidates come from: ``"bounded"`` (the paper's Continual FPS: an
+            observation set of at most ``B_max^Q`` queries per head, compressed as it fills) or
+            ``"history"`` (every query of the sequence, selected from at each freeze: Naive FPS, and
+            K-Means as the paper runs it; unbounded memory, for analysis).
         normalize: What each scoring query's softmax runs over: ``"cache"`` (every cached key, the
             paper's) or ``"evictable"`` (beyond the paper: the keys that may be evicted, as RPC does —
             the protected prefix, kept whatever happens, no longer absorbs the attention mass).
@@ -139,7 +143,8 @@ class BeaconKV(EvictionPolicy):
     n_beacon: int = 16
     aggregation: str = "max"
     temperature: float = 0.1
-    sampler: QuerySampler | None = None
+    sampler: QuerySelector | str | None = None
+    query_memory: str = "bounded"
     normalize: str = "cache"
     kernel: int = 1
     pool: str = "max"
@@ -162,9 +167,12 @@ class BeaconKV(EvictionPolicy):
         if self.n_beacon + self.n_recent < 1:
             raise PolicyConfigError("n_beacon + n_recent must be >= 1: nothing would observe the cache.")
         if self.sampler is None:
-            self.sampler = ContinualFPS()
+            self.sampler = FPS()
+        elif isinstance(self.sampler, str):
+            self.sampler = parse_selector(self.sampler)
         if not callable(getattr(self.sampler, "select", None)):
-            raise PolicyConfigError(f"sampler={self.sampler!r} has no select(points, k, valid); pass a QuerySampler.")
+            raise PolicyConfigError(f"sampler={self.sampler!r} has no select(points, k, valid); pass a QuerySelector.")
+        check_choice("query_memory", self.query_memory, ("bounded", "history"))
 
     @property
     def q_min(self) -> int:
@@ -179,7 +187,7 @@ class BeaconKV(EvictionPolicy):
     @property
     def lifecycle(self) -> QueryLifecycle:
         """Where the beacons' candidates live: bounded (Continual FPS) or the whole history."""
-        return BoundedObservation() if getattr(self.sampler, "bounded", True) else QueryHistory()
+        return BoundedObservation() if self.query_memory == "bounded" else QueryHistory()
 
     def query_window(self, max_tokens: int) -> int:
         return self.lifecycle.query_window(self, max_tokens)
@@ -198,7 +206,8 @@ class BeaconKV(EvictionPolicy):
         state.beacons = QuerySet.empty(first.batch, self.set_heads(first), self.n_beacon, first.head_dim, first.dtype,
                                        cache.device, layers=len(cache))
         B = state.batch
-        state.phase, state.obs_since, state.obs_count, state.recent_since = ["accumulate"] * B, [0] * B, [0] * B, [0] * B
+        state.phase = [Phase.ACCUMULATE] * B
+        state.obs_since, state.obs_count, state.recent_since = [0] * B, [0] * B, [0] * B
         state.obs_since_dev = torch.zeros(B, dtype=torch.long, device=cache.device)
         state.recent_since_dev = torch.zeros(B, dtype=torch.long, device=cache.device)
         self.lifecycle.init(self, state)
@@ -211,7 +220,7 @@ class BeaconKV(EvictionPolicy):
         if state.obs is not None:
             state.obs.clear(rows_t)
         for b in rows:
-            state.phase[b], state.obs_count[b] = "accumulate", 0
+            state.phase[b], state.obs_count[b] = Phase.ACCUMULATE, 0
             state.obs_since[b] = state.recent_since[b] = state.t[b]
         state.obs_since_dev[rows_t] = state.t_dev[rows_t]
         state.recent_since_dev[rows_t] = state.t_dev[rows_t]
@@ -229,7 +238,7 @@ class BeaconKV(EvictionPolicy):
 
     def held_queries(self, state: PolicyState) -> list[float]:
         """Query vectors held per query head for each row (the paper's Fig. 7 memory): at most
-        ``B_max^Q`` with a bounded sampler, the whole history (``t + 1``) otherwise. A set shared by a
+        ``B_max^Q`` with ``query_memory="bounded"``, the whole history (``t + 1``) otherwise. A set shared by a
         GQA group counts ``1 / group`` per query head."""
         share = state.observers[0].n_heads // self.set_heads(state.observers[0])
         out = []
@@ -243,13 +252,13 @@ class BeaconKV(EvictionPolicy):
         for b, L in zip(rows, (state.t[b] + 1 for b in rows)):
             state.obs_count[b] = self.lifecycle.prefill_count(self, L)
             state.obs_since[b] = state.t[b]
-            state.phase[b] = "accumulate"
+            state.phase[b] = Phase.ACCUMULATE
         rows_t = state.index(rows)
         state.obs_since_dev[rows_t] = state.t_dev[rows_t]
         if self.static_beacons:
             self.freeze(state, rows)
             for b in rows:
-                state.phase[b] = "static"
+                state.phase[b] = Phase.STATIC
         else:
             # a prompt may already be past the freeze point (int n_prefix): freeze before any eviction
             self.on_count_change(state, rows)
@@ -260,20 +269,20 @@ class BeaconKV(EvictionPolicy):
         follows (if the count is past the freeze point) samples beacons from every chunk, and its recent
         queries are the chunk's newest. Static beacons (Initial+Recent) are sampled again from every chunk
         seen so far: the prompt is not whole until its last chunk."""
-        frozen = [b for b in rows if state.phase[b] == "frozen"]
+        frozen = [b for b in rows if state.phase[b] is Phase.FROZEN]
         if frozen:
             self.lifecycle.unfreeze(self, state, frozen, state.index(frozen))
             state.beacons.clear(state.index(frozen))
         for b, n in zip(rows, n_new):
             state.obs_count[b] = self.lifecycle.chunk_count(self, state.obs_count[b], n)
             state.obs_since[b] = state.t[b]
-            state.phase[b] = "accumulate"
+            state.phase[b] = Phase.ACCUMULATE
         rows_t = state.index(rows)
         state.obs_since_dev[rows_t] = state.t_dev[rows_t]
         if self.static_beacons:
             self.freeze(state, rows)
             for b in rows:
-                state.phase[b] = "static"
+                state.phase[b] = Phase.STATIC
 
     def on_decode_step(self, state: PolicyState, rows: list[int]) -> None:
         due = self.lifecycle.compress_due(self, state, rows)
@@ -281,12 +290,12 @@ class BeaconKV(EvictionPolicy):
             self.lifecycle.compress(self, state, due)
 
     def on_count_change(self, state: PolicyState, rows: list[int]) -> None:
-        due = [b for b in rows if state.phase[b] == "accumulate" and state.count[b] >= self.freeze_point(state, b)]
+        due = [b for b in rows if state.phase[b] is Phase.ACCUMULATE and state.count[b] >= self.freeze_point(state, b)]
         if due:
             self.freeze(state, due)
 
     def before_evict(self, state: PolicyState, rows: list[int]) -> None:
-        unfrozen = [b for b in rows if state.phase[b] == "accumulate"]  # only when n_recent == 0
+        unfrozen = [b for b in rows if state.phase[b] is Phase.ACCUMULATE]  # only when n_recent == 0
         if unfrozen:
             self.freeze(state, unfrozen)
 
@@ -307,8 +316,8 @@ class BeaconKV(EvictionPolicy):
             overshoot = state.count[b] - self.freeze_point(state, b)
             lag.append(min(max(overshoot, 0), self.n_recent))
             state.recent_since[b] = state.t[b] - lag[-1]
-            if state.phase[b] != "static":
-                state.phase[b] = "frozen"
+            if state.phase[b] is not Phase.STATIC:
+                state.phase[b] = Phase.FROZEN
         state.recent_since_dev[rows_t] = state.t_dev[rows_t] - state.to_device(lag)
 
     def freeze_point(self, state: PolicyState, b: int) -> int:
@@ -323,7 +332,7 @@ class BeaconKV(EvictionPolicy):
         state.beacons.clear(rows_t)
         for b in rows:
             state.obs_since[b] = state.t[b]
-            state.phase[b] = "accumulate"
+            state.phase[b] = Phase.ACCUMULATE
         state.obs_since_dev[rows_t] = state.t_dev[rows_t]
 
     # ------------------------------------------------------------------------------- variants' hooks

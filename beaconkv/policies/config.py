@@ -124,3 +124,22 @@ def _setting_value(text: str) -> Any:
         except ValueError:
             pass
     return text
+
+
+def auto_n_recent(budget: int, default: int = 16, ratio: float = 7 / 8) -> int:
+    """``n_recent`` for a budget: ``default`` when the eviction step allows it, else ``budget // 8`` (or less,
+    where another ``ratio`` leaves a smaller step).
+
+    The base class needs ``budget - floor(ratio * budget) >= n_recent``; with the default 16 and
+    ratio 7/8 that means budget >= 128, so smaller budgets scale ``n_recent`` down (64 -> 8). This
+    is what ``--n-recent auto`` means on the command line, with the policy's own default and ratio.
+
+    Args:
+        budget: ``B_max``.
+        default: The policy's own ``n_recent``.
+        ratio: The policy's ``ratio`` (``B_min = floor(ratio * budget)``).
+    """
+    b_min = math.floor(ratio * budget)
+    if budget - b_min >= default and b_min >= default:
+        return default
+    return max(min(budget // 8, budget - b_min, b_min), 1)  # budget // 8 at 7/8; what fits at other ratios

@@ -40,7 +40,7 @@ class KNorm(EvictionPolicy):
     Args:
         budget: ``B_max`` (see :class:`~beaconkv.policies.base.EvictionPolicy`).
         tie_rtol: Norms this close (relative, at least absolute below 1) tie (default
-            :data:`~beaconkv.policies.samplers.TIE_RTOL`, a few float32 rounding steps; 0 ranks on the
+            :data:`~beaconkv.policies.query_selection.TIE_RTOL`, a few float32 rounding steps; 0 ranks on the
             exact float32 norms, whose order between copies of one key depends on the CPU).
 
     Raises:

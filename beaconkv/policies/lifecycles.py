@@ -1,21 +1,23 @@
 """Where BeaconKV keeps the past queries it draws beacons from: two lifecycles, one interface.
 
 * :class:`BoundedObservation` — the paper's Continual FPS (SPEC §3-4): a per-head observation set
-  of ``B_min^Q`` vectors, the prompt's FPS at prefill; decode queries wait in the cache's query ring
+  of ``B_min^Q`` vectors, the prompt's FPS at prefill; decode queries wait in the observer's query ring
   and are folded in (FPS back to ``B_min^Q``) whenever set + pending reach ``B_max^Q``; beacons are
   sampled from set + pending; after an eviction the set becomes FPS(beacons ∪ recent). Memory: at
   most ``B_max^Q`` vectors per head.
 * :class:`QueryHistory` — Naive FPS and K-Means (analysis, Fig. 7): every query of the sequence,
-  prompt and decode, is kept (the cache's ring is sized to the whole sequence), and the beacons are
+  prompt and decode, is kept (the observer's ring is sized to the whole sequence), and the beacons are
   sampled from all of them at each freeze. Memory: the whole history.
 
-:class:`~beaconkv.policies.beacon.BeaconKV` picks one from its sampler's ``bounded`` flag; its
-schedule (when to compress, freeze, roll) is the same for both.
+:class:`~beaconkv.policies.beacon.BeaconKV` picks one by its ``query_memory`` setting (``"bounded"`` or
+``"history"``); its schedule (when to compress, freeze, roll) is the same for both, and :class:`Phase`
+names where a row is in it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from enum import Enum
 from typing import Any, Protocol
 
 import torch
@@ -27,8 +29,19 @@ from .samplers import QuerySampler
 from .state import PolicyState
 
 
-class BeaconKV(Protocol):
-    """What a lifecycle uses of its policy (:class:`beaconkv.policies.beacon.BeaconKV`)."""
+class Phase(str, Enum):
+    """Where a row of BeaconKV is in its cycle (a string too, so ``phase == "frozen"`` reads as before)."""
+
+    ACCUMULATE = "accumulate"
+    """Queries gather in the observation set (steps 1-2)."""
+    FROZEN = "frozen"
+    """Beacons chosen; the recent queries gather until the eviction (step 3)."""
+    STATIC = "static"
+    """Initial+Recent: beacons fixed after the prompt."""
+
+
+class BeaconSettings(Protocol):
+    """What a lifecycle reads of its policy (a :class:`beaconkv.policies.beacon.BeaconKV`)."""
 
     n_beacon: int
     n_recent: int
@@ -87,48 +100,48 @@ class QueryLifecycle(ABC):
     bounded: bool
 
     @abstractmethod
-    def query_window(self, policy: BeaconKV, max_tokens: int) -> int:
+    def query_window(self, policy: BeaconSettings, max_tokens: int) -> int:
         """Length of the cache's query ring this lifecycle needs."""
 
-    def init(self, policy: BeaconKV, state: Any) -> None:
+    def init(self, policy: BeaconSettings, state: Any) -> None:
         """Allocates the lifecycle's own tensors in the state. Default: nothing."""
 
-    def observe_prefill(self, policy: BeaconKV, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
+    def observe_prefill(self, policy: BeaconSettings, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
                         rows: Tensor) -> None:
         """Sees one layer's prompt queries. Default: nothing (the ring keeps them)."""
 
-    def prefill_count(self, policy: BeaconKV, prompt_length: int) -> int:
+    def prefill_count(self, policy: BeaconSettings, prompt_length: int) -> int:
         """Vectors in the observation set right after the prefill. Default: 0."""
         return 0
 
-    def observe_chunk(self, policy: BeaconKV, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
+    def observe_chunk(self, policy: BeaconSettings, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
                       rows: Tensor) -> None:
         """Sees one layer's chunk queries (a prompt prefilled in chunks). Default: nothing (the ring keeps them)."""
 
-    def chunk_count(self, policy: BeaconKV, count: int, n_new: int) -> int:
+    def chunk_count(self, policy: BeaconSettings, count: int, n_new: int) -> int:
         """Vectors in the observation set after a chunk of ``n_new`` queries joined ``count``. Default: 0."""
         return 0
 
-    def unfreeze(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> None:
+    def unfreeze(self, policy: BeaconSettings, state: Any, rows: list[int], rows_t: Tensor) -> None:
         """A frozen row goes back to accumulating (a chunk arrived before its eviction): its beacons return to
         the candidates. Default: nothing (the ring still holds every candidate)."""
 
-    def compress_due(self, policy: BeaconKV, state: Any, rows: list[int]) -> list[int]:
+    def compress_due(self, policy: BeaconSettings, state: Any, rows: list[int]) -> list[int]:
         """Rows whose pending queries must be folded in now. Default: none."""
         return []
 
-    def compress(self, policy: BeaconKV, state: Any, rows: list[int]) -> None:
+    def compress(self, policy: BeaconSettings, state: Any, rows: list[int]) -> None:
         """Step 2 for ``rows``. Default: nothing."""
 
     @abstractmethod
-    def freeze_candidates(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> QuerySet:
+    def freeze_candidates(self, policy: BeaconSettings, state: Any, rows: list[int], rows_t: Tensor) -> QuerySet:
         """The queries step 3 samples the beacons from, every layer's stacked."""
 
-    def roll(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> None:
+    def roll(self, policy: BeaconSettings, state: Any, rows: list[int], rows_t: Tensor) -> None:
         """Step 6 for ``rows`` (before the beacons are cleared). Default: nothing."""
 
     @abstractmethod
-    def held(self, policy: BeaconKV, state: Any, row: int) -> tuple[int, int]:
+    def held(self, policy: BeaconSettings, state: Any, row: int) -> tuple[int, int]:
         """Query vectors held for one live row: ``(stored per set, pending in the ring per query head)``."""
 
 
@@ -137,25 +150,25 @@ class BoundedObservation(QueryLifecycle):
 
     bounded = True
 
-    def query_window(self, policy: BeaconKV, max_tokens: int) -> int:
+    def query_window(self, policy: BeaconSettings, max_tokens: int) -> int:
         return max(policy.q_max, policy.n_recent, 1)
 
-    def init(self, policy: BeaconKV, state: Any) -> None:
+    def init(self, policy: BeaconSettings, state: Any) -> None:
         first = state.observers[0]
         state.obs = QuerySet.empty(first.batch, policy.set_heads(first), policy.q_min, first.head_dim, first.dtype,
                                    state.device, layers=len(state.cache))
 
-    def observe_prefill(self, policy: BeaconKV, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
+    def observe_prefill(self, policy: BeaconSettings, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
                         rows: Tensor) -> None:
         B, H, L, _ = q_pre.shape
         prompt = QuerySet(q_pre, positions[:, None].expand(B, H, L), valid[:, None].expand(B, H, L))
         prompt = policy.candidates(prompt, layer_state.cache)
         layer_state.obs.assign(rows, prompt.select(policy.sampler, policy.q_min))
 
-    def prefill_count(self, policy: BeaconKV, prompt_length: int) -> int:
+    def prefill_count(self, policy: BeaconSettings, prompt_length: int) -> int:
         return min(prompt_length, policy.q_min)
 
-    def observe_chunk(self, policy: BeaconKV, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
+    def observe_chunk(self, policy: BeaconSettings, layer_state: Any, q_pre: Tensor, positions: Tensor, valid: Tensor,
                       rows: Tensor) -> None:
         B, H, L, _ = q_pre.shape
         chunk = policy.candidates(QuerySet(q_pre, positions[:, None].expand(B, H, L), valid[:, None].expand(B, H, L)),
@@ -163,18 +176,18 @@ class BoundedObservation(QueryLifecycle):
         layer_state.obs.assign(rows, QuerySet.cat(layer_state.obs.rows(rows), chunk).select(policy.sampler,
                                                                                              policy.q_min))
 
-    def chunk_count(self, policy: BeaconKV, count: int, n_new: int) -> int:
+    def chunk_count(self, policy: BeaconSettings, count: int, n_new: int) -> int:
         return min(count + n_new, policy.q_min)
 
-    def unfreeze(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> None:
+    def unfreeze(self, policy: BeaconSettings, state: Any, rows: list[int], rows_t: Tensor) -> None:
         folded = QuerySet.cat(state.obs.rows(rows_t), state.beacons.rows(rows_t))
         state.obs.assign(rows_t, policy.sample(state, folded, policy.q_min))
 
-    def compress_due(self, policy: BeaconKV, state: Any, rows: list[int]) -> list[int]:
-        return [b for b in rows if state.phase[b] == "accumulate"
+    def compress_due(self, policy: BeaconSettings, state: Any, rows: list[int]) -> list[int]:
+        return [b for b in rows if state.phase[b] is Phase.ACCUMULATE
                 and state.obs_count[b] + (state.t[b] - state.obs_since[b]) >= policy.q_max]
 
-    def compress(self, policy: BeaconKV, state: Any, rows: list[int]) -> None:
+    def compress(self, policy: BeaconSettings, state: Any, rows: list[int]) -> None:
         rows_t = state.index(rows)
         pending = policy.candidates(ring_since(state, rows, rows_t, [state.obs_since[b] for b in rows],
                                                state.obs_since_dev), state.observers[0])
@@ -184,20 +197,20 @@ class BoundedObservation(QueryLifecycle):
             state.obs_since[b] = state.t[b]
         state.obs_since_dev[rows_t] = state.t_dev[rows_t]
 
-    def freeze_candidates(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> QuerySet:
+    def freeze_candidates(self, policy: BeaconSettings, state: Any, rows: list[int], rows_t: Tensor) -> QuerySet:
         pending = policy.candidates(ring_since(state, rows, rows_t, [state.obs_since[b] for b in rows],
                                                state.obs_since_dev), state.observers[0])
         return QuerySet.cat(state.obs.rows(rows_t), pending)
 
-    def roll(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> None:
+    def roll(self, policy: BeaconSettings, state: Any, rows: list[int], rows_t: Tensor) -> None:
         recent = policy.candidates(ring_since(state, rows, rows_t, [state.recent_since[b] for b in rows],
                                               state.recent_since_dev), state.observers[0])
         state.obs.assign(rows_t, policy.sample(state, QuerySet.cat(state.beacons.rows(rows_t), recent), policy.q_min))
         for b in rows:
             state.obs_count[b] = min(policy.n_beacon + state.t[b] - state.recent_since[b], policy.q_min)
 
-    def held(self, policy: BeaconKV, state: Any, row: int) -> tuple[int, int]:
-        if state.phase[row] == "accumulate":
+    def held(self, policy: BeaconSettings, state: Any, row: int) -> tuple[int, int]:
+        if state.phase[row] is Phase.ACCUMULATE:
             return state.obs_count[row], state.t[row] - state.obs_since[row]
         return policy.n_beacon, min(state.t[row] - state.recent_since[row], policy.n_recent)
 
@@ -207,12 +220,12 @@ class QueryHistory(QueryLifecycle):
 
     bounded = False
 
-    def query_window(self, policy: BeaconKV, max_tokens: int) -> int:
+    def query_window(self, policy: BeaconSettings, max_tokens: int) -> int:
         return max(max_tokens, policy.n_recent, 1)  # the ring holds the whole sequence
 
-    def freeze_candidates(self, policy: BeaconKV, state: Any, rows: list[int], rows_t: Tensor) -> QuerySet:
+    def freeze_candidates(self, policy: BeaconSettings, state: Any, rows: list[int], rows_t: Tensor) -> QuerySet:
         history = ring_since(state, rows, rows_t, [-1] * len(rows), torch.full_like(state.t_dev, -1))
         return policy.candidates(history, state.observers[0])
 
-    def held(self, policy: BeaconKV, state: Any, row: int) -> tuple[int, int]:
+    def held(self, policy: BeaconSettings, state: Any, row: int) -> tuple[int, int]:
         return 0, state.t[row] + 1  # the whole history lives in the ring

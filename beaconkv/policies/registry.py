@@ -18,7 +18,6 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import math
 import re
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 from .base import EvictionPolicy, FullKV
 from .beacon import BeaconKV, InitialRecent
-from .config import PolicyConfigError
+from .config import PolicyConfigError, auto_n_recent  # noqa: F401 - auto_n_recent stays importable from here
 from .event_beacon import EventBeaconKV
 from .expected_attention import ExpectedAttention
 from .group_beacon import GroupBeaconKV
@@ -113,21 +112,6 @@ def policy_display_name(name: str) -> str:
     cls = policy_class(name)
     own = cls.__dict__.get("name")
     return re.sub(r"[^A-Za-z0-9._-]", "_", own if isinstance(own, str) and own else cls.__name__)
-
-
-def auto_n_recent(budget: int, default: int = 16, ratio: float = 7 / 8) -> int:
-    """``n_recent`` for a budget: ``default`` when the eviction step allows it, else ``budget // 8``.
-
-    The base class needs ``budget - floor(ratio * budget) >= n_recent``; with the default 16 and
-    ratio 7/8 that means budget >= 128, so smaller budgets scale ``n_recent`` down (64 -> 8). This
-    is what ``--n-recent auto`` means on the command line, with the policy's own default and ratio.
-
-    Args:
-        budget: ``B_max``.
-        default: The policy's own ``n_recent``.
-        ratio: The policy's ``ratio`` (``B_min = floor(ratio * budget)``).
-    """
-    return default if budget - math.floor(ratio * budget) >= default else max(budget // 8, 1)
 
 
 def policy_defaults(name: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from beaconkv.policies import (
     make_policy,
 )
 from beaconkv.policies.beacon import QuerySet
-from beaconkv.policies.samplers import farthest_point_sampling
+from beaconkv.policies.query_selection import farthest_point_sampling
 
 from .driver import bind, drive
 
@@ -198,7 +198,10 @@ def test_paper_ablations_are_one_argument_away(n_beacon, n_recent):
 
 def test_inconsistent_settings_name_the_numbers():
     with pytest.raises(PolicyConfigError, match=r"budget=64.*B_min=56.*8 < n_recent=16.*budget >= 128"):
-        BeaconKV(budget=64)
+        BeaconKV(budget=64, n_recent=16)  # an explicit n_recent the budget cannot serve
+    # n_recent="auto" (the default), as the command line's --n-recent auto: 16 where it fits, budget // 8 below
+    assert (BeaconKV(budget=64).n_recent, BeaconKV(budget=128).n_recent, BeaconKV(budget=4096).n_recent) == (8, 16, 16)
+    assert BeaconKV(budget=256, ratio=0.95).n_recent == 13  # the eviction step, 256 - floor(0.95 * 256), < 16
     with pytest.raises(PolicyConfigError, match="ratio=1.5"):
         BeaconKV(budget=256, ratio=1.5)
     with pytest.raises(PolicyConfigError, match="aggregation='median'"):

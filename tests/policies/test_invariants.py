@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from beaconkv.policies import make_policy
 from beaconkv.policies.beacon import BeaconKV
-from beaconkv.policies.samplers import FPS, ContinualFPS, KMeans, NaiveFPS
+from beaconkv.policies.query_selection import FPS, KMeans
 
 from .driver import drive
 
@@ -95,7 +95,10 @@ def test_no_policy_evicts_before_the_budget(name, case):
     assert state.stats.evictions == [0] * len(case["prompts"])
 
 
-SAMPLERS = {"continual_fps": ContinualFPS, "fps": FPS, "naive_fps": NaiveFPS, "kmeans": lambda: KMeans(n_iter=2)}
+#: (selector, query memory) of the paper's Fig. 7: Continual FPS, Naive FPS, K-Means over the history, and
+#: K-Means over the bounded buffer (a combination the separate setting now allows)
+SAMPLERS = {"continual_fps": (FPS, "bounded"), "naive_fps": (FPS, "history"),
+            "kmeans": (lambda: KMeans(n_iter=2), "history"), "kmeans_bounded": (lambda: KMeans(n_iter=2), "bounded")}
 
 
 @pytest.mark.parametrize("sampler", sorted(SAMPLERS))
@@ -103,11 +106,11 @@ SAMPLERS = {"continual_fps": ContinualFPS, "fps": FPS, "naive_fps": NaiveFPS, "k
 @given(case=budget_cases(max_budget=160, max_recent=16), n_beacon=st.integers(0, 8))
 def test_query_memory_is_bounded_for_bounded_samplers_and_the_whole_history_otherwise(sampler, case, n_beacon):
     assume(n_beacon + case["n_recent"] >= 1)
+    make, memory_model = SAMPLERS[sampler]
     policy = BeaconKV(case["budget"], n_beacon=n_beacon, n_recent=case["n_recent"], ratio=case["ratio"],
-                      n_prefix=case["n_prefix"], sampler=SAMPLERS[sampler]())
+                      n_prefix=case["n_prefix"], sampler=make(), query_memory=memory_model)
     q_max = n_beacon + case["n_recent"]
-    bounded = policy.sampler.bounded
-    assert bounded == (sampler in ("continual_fps", "fps"))
+    bounded = memory_model == "bounded"
     steps = []
 
     def memory(step, state):
@@ -137,7 +140,7 @@ def test_an_unbounded_sampler_freezes_over_every_query_of_the_history():
 
     for n_beacon, n_recent, budget in ((16, 16, 128), (28, 4, 256)):
         sizes.clear()
-        policy = Recording(budget, n_beacon=n_beacon, n_recent=n_recent, sampler=NaiveFPS())
+        policy = Recording(budget, n_beacon=n_beacon, n_recent=n_recent, query_memory="history")
         _, state = drive(policy, [20], steps=3 * budget, n_layers=1, n_kv=1, group=2, head_dim=4)
         assert sizes and state.stats.evictions[0] >= 2
         for valid, newest in sizes:  # at each freeze: positions 0 .. newest, all of them

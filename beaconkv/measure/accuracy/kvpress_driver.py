@@ -63,6 +63,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+try:
+    from beaconkv.errors import BeaconKVError
+except ImportError:  # run by path in kvpress's environment, where beaconkv is not installed: the stdlib only
+    class BeaconKVError(Exception):  # type: ignore[no-redef]
+        """Stands in for :class:`beaconkv.errors.BeaconKVError` in kvpress's environment."""
+
 #: The press names a job may ask for, as ``beaconkv accuracy --compare kvpress:...`` spells them.
 PRESSES = ("none", "snapkv", "expected_attention", "tova", "knorm", "streaming", "adakv-snapkv")
 #: ``"prefill"``: compress the context once (kvpress's pipeline); ``"decode"``: a ``DecodingPress`` after it.
@@ -78,7 +84,7 @@ RESULT_KEYS = ("id", "generated_ids", "kv_bytes_after_prefill", "kv_tokens_after
 EXIT_BAD_JOB = 2
 
 
-class JobError(ValueError):
+class JobError(BeaconKVError, ValueError):
     """A job the driver cannot run at all: the message names the value, the limit and the fix."""
 
 

@@ -20,7 +20,7 @@ from ...models.decoder import CausalLM
 from ...policies.base import EvictionPolicy
 from ...policies.config import PolicyConfigError
 from ...policies.registry import auto_n_recent, make_policy, policy_parameters
-from ...policies.samplers import KMeans, NaiveFPS
+from ...policies.query_selection import KMeans
 from .errors import FidelityError
 from .lockstep import LockStep, StepOutput
 from .metrics import GlobalQueryRule, LengthAwareRule, held_attention_masses, kl_divergence, prompt_mass
@@ -119,8 +119,8 @@ def ablation_runs(budget: int = 256) -> list[Run]:
         ("beacon(28,4)", {"n_beacon": 28, "n_recent": 4}),
         ("beacon(0,32)", {"n_beacon": 0, "n_recent": 32}),
         ("beacon[mean]", {"aggregation": "mean"}),
-        ("beacon[naive_fps]", {"sampler": NaiveFPS()}),
-        ("beacon[kmeans]", {"sampler": KMeans(n_iter=10)}),
+        ("beacon[naive_fps]", {"query_memory": "history"}),
+        ("beacon[kmeans]", {"sampler": KMeans(n_iter=10), "query_memory": "history"}),
     ]
     runs = []
     for label, kw in specs:

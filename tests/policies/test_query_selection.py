@@ -1,4 +1,4 @@
-"""Tests of the query samplers: FPS against a float64 brute force, its contract, KMeans, factory.
+"""Tests of query selection: FPS against a float64 brute force, its contract, KMeans, factory, strings.
 
 Random cases come from a torch generator seeded by Hypothesis, so failures shrink to small seeds and
 shapes. Float32 FPS and the float64 reference may disagree on near-ties; the reference therefore
@@ -15,17 +15,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from beaconkv.policies import samplers
+from beaconkv.policies import BeaconKV, query_selection
 from beaconkv.policies.config import PolicyConfigError
-from beaconkv.policies.samplers import (
+from beaconkv.policies.query_selection import (
     FPS,
-    SAMPLER_NAMES,
-    ContinualFPS,
+    SELECTOR_NAMES,
     KMeans,
-    NaiveFPS,
-    QuerySampler,
+    QuerySelector,
     farthest_point_sampling,
-    make_sampler,
+    make_selector,
+    parse_selector,
 )
 
 TOL = 1e-5  # float32 cosines vs float64: a pick within TOL of the best counts as a near-tie
@@ -167,12 +166,12 @@ def test_seed_is_lowest_mean_cosine(case):
 @contextlib.contextmanager
 def cosine_path(gram: bool):
     """Forces FPS's pairwise-cosine matrix (small N) or its pass per pick (large N)."""
-    before = samplers._GRAM_MAX_POINTS
-    samplers._GRAM_MAX_POINTS = 1 << 30 if gram else 0
+    before = query_selection._GRAM_MAX_POINTS
+    query_selection._GRAM_MAX_POINTS = 1 << 30 if gram else 0
     try:
         yield
     finally:
-        samplers._GRAM_MAX_POINTS = before
+        query_selection._GRAM_MAX_POINTS = before
 
 
 @pytest.mark.parametrize("gram", [True, False], ids=["pairwise", "per-pick"])
@@ -308,17 +307,37 @@ def test_compiles_without_graph_breaks():
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-# --- samplers and the factory ------------------------------------------------------------------
+# --- selectors and the factory ------------------------------------------------------------------
 
 
-def test_fps_family_shares_the_selection():
+def test_fps_is_one_selector_and_the_memory_model_is_beacon_kv_s_setting():
     points = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(1))
     expected = farthest_point_sampling(points, 6)
-    for sampler in (FPS(), ContinualFPS(), NaiveFPS()):
-        assert isinstance(sampler, QuerySampler)
-        assert torch.equal(sampler.select(points, 6)[0], expected[0])
-    assert FPS.bounded and ContinualFPS.bounded
-    assert not NaiveFPS.bounded and not KMeans.bounded
+    assert isinstance(FPS(), QuerySelector) and torch.equal(FPS().select(points, 6)[0], expected[0])
+    assert BeaconKV(128).query_memory == "bounded" and type(BeaconKV(128).sampler) is FPS
+    assert type(BeaconKV(128, query_memory="history").lifecycle).__name__ == "QueryHistory"
+    assert type(BeaconKV(128).lifecycle).__name__ == "BoundedObservation"
+    with pytest.raises(PolicyConfigError, match="query_memory"):
+        BeaconKV(128, query_memory="naive")
+
+
+def test_the_former_module_name_still_imports_with_a_warning():
+    import importlib
+    import sys
+
+    sys.modules.pop("beaconkv.policies.samplers", None)
+    with pytest.warns(DeprecationWarning, match="query_selection"):
+        old = importlib.import_module("beaconkv.policies.samplers")
+    assert old.QuerySampler is QuerySelector and old.make_sampler is make_selector and old.FPS is FPS
+    assert not hasattr(old, "ContinualFPS")
+
+
+def test_selectors_are_accepted_as_strings_as_schedules_are():
+    assert parse_selector("kmeans:n_iter=2,seed=3") == KMeans(n_iter=2, seed=3)
+    assert BeaconKV(128, sampler="kmeans:n_iter=2").sampler == KMeans(n_iter=2)
+    assert BeaconKV(128, sampler="fps").sampler == FPS()
+    with pytest.raises(PolicyConfigError, match="unknown sampler 'kmedoids'"):
+        BeaconKV(128, sampler="kmedoids")
 
 
 def clustered_directions(seed: int, dim: int = 8, n_clusters: int = 4):
@@ -367,24 +386,24 @@ def test_kmeans_rejects_bad_options():
 
 @pytest.mark.parametrize(
     ("name", "cls"),
-    [("fps", FPS), ("continual_fps", ContinualFPS), ("NAIVE_FPS", NaiveFPS), ("KMeans", KMeans)],
+    [("fps", FPS), ("FPS", FPS), ("KMeans", KMeans)],
 )
-def test_make_sampler_by_name(name, cls):
-    sampler = make_sampler(name)
-    assert type(sampler) is cls
-    assert sampler.name in SAMPLER_NAMES
+def test_make_selector_by_name(name, cls):
+    selector = make_selector(name)
+    assert type(selector) is cls
+    assert selector.name in SELECTOR_NAMES
 
 
-def test_make_sampler_passes_options():
-    assert make_sampler("kmeans", n_iter=3, seed=7) == KMeans(n_iter=3, seed=7)
+def test_make_selector_passes_options():
+    assert make_selector("kmeans", n_iter=3, seed=7) == KMeans(n_iter=3, seed=7)
 
 
-@pytest.mark.parametrize("name", ["fsp", "", "k-means", None])
-def test_make_sampler_rejects_unknown_names(name):
-    with pytest.raises(PolicyConfigError, match="unknown sampler") as error:
-        make_sampler(name)
+@pytest.mark.parametrize("name", ["fsp", "", "k-means", None, "continual_fps"])
+def test_make_selector_rejects_unknown_names(name):
+    with pytest.raises(PolicyConfigError, match="unknown query selector") as error:
+        make_selector(name)
     assert repr(name) in str(error.value)
-    assert all(choice in str(error.value) for choice in SAMPLER_NAMES)
+    assert all(choice in str(error.value) for choice in SELECTOR_NAMES)
 
 
 
