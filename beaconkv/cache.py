@@ -43,7 +43,7 @@ The policy decides *what* to keep; :meth:`LayerKVCache.compact` does the moving.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -133,6 +133,11 @@ class LayerKVCache(nn.Module):
         self.register_buffer("pos", torch.full(shape, -1, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("length", torch.zeros(self.batch, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("active", torch.ones(self.batch, dtype=torch.bool, device=device), persistent=False)
+        #: A row's length after a compaction from its heads' kept counts ``(b, kv_heads) -> (b,)`` when other
+        #: processes hold more of the layer's KV heads (tensor parallelism under a head-adaptive allocation: the
+        #: fullest head of the whole layer, so the slots match the single process's; see
+        #: :mod:`beaconkv.distributed.heads`). None: the fullest head here.
+        self.row_length: Callable[[Tensor], Tensor] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -328,7 +333,8 @@ class LayerKVCache(nn.Module):
         for buf, empty in ((self.pos, -1), *((b, 0) for b in carry)):
             kept = torch.where(keep_valid, torch.gather(buf[rows], 2, keep), empty)
             buf.index_put_((rows,), torch.cat([kept, kept.new_full((*kept.shape[:2], tail), empty)], 2))
-        self.length[rows] = keep_valid.sum(-1).amax(-1)
+        counts = keep_valid.sum(-1)  # (b, kv_heads)
+        self.length[rows] = counts.amax(-1) if self.row_length is None else self.row_length(counts)
 
     def nbytes(self) -> int:
         """Bytes of keys and values (and their scales) held by this layer."""

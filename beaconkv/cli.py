@@ -14,6 +14,8 @@ through :func:`beaconkv.command.run_command`: a user error is one line,
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
@@ -45,6 +47,8 @@ from .arguments import (
     positive_int,
 )
 from .command import CommandParser, add_debug_argument, run_command
+from .distributed.cli import add_tensor_parallel_argument
+from .distributed.cli import start_run as start_tensor_parallel_run
 from .eval.answers import extract_last_boxed
 from .eval.cli import add_eval_arguments, run_eval_from_args
 from .execution import CompileConfig
@@ -165,22 +169,25 @@ def run_generation(args: argparse.Namespace, prompts: list[str]) -> int:
         return run_hf_generation(args, prompts, policy)
     path = model_path(args.model)
     t0 = time.perf_counter()
-    model = load_model(path, dtype=args.dtype, device=args.device)
+    run = start_tensor_parallel_run(args, path)  # None unless --tensor-parallel-size > 1 (this process: rank 0)
+    model = run.model if run is not None else load_model(path, dtype=args.dtype, device=args.device)
     tok = load_tokenizer(path)
-    print(f"loaded {path} ({model.config.model_type}, {_placement(args)}) in {time.perf_counter() - t0:.1f}s",
-          file=sys.stderr)
+    print(f"loaded {path} ({model.config.model_type}, {_placement(args)}"
+          + (f", tensor parallel {run.size}: {model.shard_plan.describe()}" if run is not None else "")
+          + f") in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     single = len(prompts) == 1
 
     def stream(i: int, token: int, text: str) -> None:
         if single:
             print(text, end="", flush=True)
 
-    out = generate(
-        model, tok, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, policy=policy, chat=not args.raw, stream=stream,
-        eos_token_ids=[] if args.ignore_eos else None, kv_storage=args.kv_storage, compile=_compile_setting(args),
-        kernels=args.kernels, prefill_chunk=args.prefill_chunk,
-    )
+    with run if run is not None else contextlib.nullcontext():
+        out = (run.generate if run is not None else functools.partial(generate, model))(
+            tok, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed, policy=policy, chat=not args.raw, stream=stream,
+            eos_token_ids=[] if args.ignore_eos else None, kv_storage=args.kv_storage, compile=_compile_setting(args),
+            kernels=args.kernels, prefill_chunk=args.prefill_chunk,
+        )
     if single:
         print()
     else:
@@ -189,7 +196,8 @@ def run_generation(args: argparse.Namespace, prompts: list[str]) -> int:
     s = out.stats
     print(
         f"\n[{policy!r}] prompt tokens {s.prompt_tokens}, new tokens {s.new_tokens}, finish {out.finish_reasons}\n"
-        f"cache capacity {s.cache_capacity} slots ({s.cache_bytes / 2**20:.1f} MiB, {args.kv_storage}), "
+        f"cache capacity {s.cache_capacity} slots ({s.cache_bytes / 2**20:.1f} MiB, {args.kv_storage}"
+        + (" per rank" if run is not None else "") + "), "
         f"peak {s.peak_cache_tokens} tokens, evictions {s.evictions}\n"
         f"prefill {s.prefill_s:.2f}s, "
         + (f"compile {s.compile_s:.2f}s, " if s.compiled else "")
@@ -520,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     _generation_arguments(g, 256)
     add_backend_argument(g)
+    add_tensor_parallel_argument(g)
     g.set_defaults(_run=lambda a: run_generation(a, a.prompt))
     d = sub.add_parser("demo", help="BeaconKV vs FullKV on a reasoning prompt: memory, evictions, speed, agreement",
                        description="Answers a reasoning prompt with BeaconKV at a budget that evicts many times "

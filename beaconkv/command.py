@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from .distributed.group import TensorParallelError
 from .execution import CompileError
 from .generation import PromptError
 from .models.config import UnsupportedModelError
@@ -27,7 +28,7 @@ from .storage import StorageError
 #: (a dtype, a sampling parameter) is a user error too; anything else is a bug and shows its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ValueError, FileNotFoundError, NotADirectoryError, PermissionError, json.JSONDecodeError, PromptError,
-    PolicyConfigError, StorageError, CheckpointError, UnsupportedModelError, CompileError,
+    PolicyConfigError, StorageError, CheckpointError, UnsupportedModelError, CompileError, TensorParallelError,
 )
 
 

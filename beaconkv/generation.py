@@ -236,6 +236,7 @@ def generate(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     kernels: str = "auto",
     prefill_chunk: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> GenerationOutput:
     """Generates continuations for a batch of prompts.
 
@@ -287,6 +288,12 @@ def generate(
             head (``stats.cache_capacity``) instead of the whole prompt, when the policy's ``n_prefix`` is an
             int (with the whole prompt protected, every prompt token stays). None (default): whole prompts,
             as before.
+        tensor_parallel_size: Split the model over this many processes (tensor parallelism, see
+            :mod:`beaconkv.distributed`): this process becomes rank 0 and spawns the others; each rank loads
+            its shard of ``model``'s checkpoint (``model.checkpoint_dir``, as :func:`~beaconkv.models.load_model`
+            sets it; for a model too large for one device, start from
+            :class:`beaconkv.distributed.TensorParallelRun` instead, which never loads the whole model).
+            ``model`` may also be rank 0's shard of a running group (then leave this at 1).
 
     Returns:
         The new tokens, texts, finish reasons and stats.
@@ -301,6 +308,15 @@ def generate(
         beaconkv.CompileError: ``compile`` was asked for and ``torch.compile`` is unavailable or
             failed (there is no silent fallback to eager).
     """
+    if tensor_parallel_size != 1:  # spawn the ranks, run this call on rank 0 (here), stop them
+        from .distributed.launch import generate_tensor_parallel
+
+        return generate_tensor_parallel(
+            model, tokenizer, prompts, tensor_parallel_size, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, seed=seed, policy=policy, stream=stream, chat=chat, eos_token_ids=eos_token_ids,
+            stop=stop, cache_dtype=cache_dtype, compile=compile, capacity_tokens=capacity_tokens,
+            kv_storage=kv_storage, on_step=on_step, max_batch=max_batch, chat_template_kwargs=chat_template_kwargs,
+            kernels=kernels, prefill_chunk=prefill_chunk)
     t_start = time.perf_counter()
     _check_count("max_new_tokens", max_new_tokens)
     params = SamplingParams(temperature, top_p, top_k)
@@ -325,8 +341,11 @@ def generate(
         max_new_tokens = room
     capacity = min(capacity_tokens or max_new_tokens, room)
     stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
+    make_engine = Engine
+    if getattr(model, "tensor_parallel", None) is not None:  # rank 0 of a tensor-parallel shard: the ranks mirror it
+        from .distributed.mirror import MirroredEngine as make_engine
     try:
-        engine = Engine(
+        engine = make_engine(
             model, tokenizer, policy=policy, max_batch=min(max_batch or len(ids), len(ids)),
             prompt_capacity=max(lengths), max_new_tokens=capacity, kv_storage=kv_storage, cache_dtype=cache_dtype,
             compile=compile, seed=0 if seed is None else seed, on_step=on_step, kernels=kernels,

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -58,6 +59,26 @@ class CheckpointError(BeaconKVError, ValueError):
 class MetaTensorError(BeaconKVError, ValueError):
     """A tensor of a loaded model is still on the meta device: an injected component computed it from a
     parameter in its ``__init__``, before the checkpoint's values existed."""
+
+
+class CheckpointShard(Protocol):
+    """The part of a checkpoint one process loads: a tensor-parallel rank's shard
+    (:class:`beaconkv.distributed.loading.RankShard`). :func:`load_model` checks the whole checkpoint as
+    usual, builds the model from :meth:`model_config`, lets :meth:`adapt` swap modules before any weight
+    exists, compares each tensor's header with :meth:`stored_shape` and reads only :meth:`read`'s part."""
+
+    def model_config(self, config: ModelConfig) -> ModelConfig:
+        """The config this process's model is built from (its local head and MLP counts)."""
+
+    def adapt(self, model: CausalLM) -> None:
+        """Changes the freshly built model (parameters on the meta device) before its weights load."""
+
+    def stored_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The checkpoint shape of tensor ``name``, whose part this process holds with ``shape``."""
+
+    def read(self, stored: Any, name: str) -> torch.Tensor:
+        """This process's part of tensor ``name``, read from ``stored`` (safetensors' ``get_slice``: only
+        the part's bytes are read)."""
 
 
 #: The safetensors dtypes a weight may be stored in; any other (an integer, bool or float8) is refused.
@@ -478,6 +499,7 @@ def load_model(
     mlp: Callable[[ModelConfig], nn.Module] | None = None,
     norm: Callable[[int, float], nn.Module] = RMSNorm,
     check_finite: bool = True,
+    shard: CheckpointShard | None = None,
 ) -> CausalLM:
     """Loads a llama / qwen2 / qwen3 causal LM from a directory or a hub id.
 
@@ -503,6 +525,8 @@ def load_model(
         norm: ``norm(width, eps)`` factory (default RMSNorm).
         check_finite: Refuse a weight holding a NaN or an infinity as loaded (one read of the weights; False
             skips it, for a checkpoint known to be sound on a slow disk).
+        shard: Load only this process's part of each tensor (a tensor-parallel rank's shard, see
+            :class:`CheckpointShard`; the checks above still cover the whole checkpoint). None: everything.
 
     Returns:
         The model in eval mode.
@@ -531,8 +555,13 @@ def load_model(
     # the rotary module is made for real (its buffers are not weights), on the CPU like the reference's
     shared_rope = rope if isinstance(rope, nn.Module) else (rope or default_rope)(config)
     with _parameters_on_meta():
-        model = build_model(config, rope=shared_rope.to(dev), attention=attention, mlp=mlp, norm=norm)
+        model = build_model(config if shard is None else shard.model_config(config), rope=shared_rope.to(dev),
+                            attention=attention, mlp=mlp, norm=norm)
+        if shard is not None:
+            shard.adapt(model)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if shard is not None:  # compared with the whole tensors' headers
+        expected = {k: tuple(shard.stored_shape(k, v)) for k, v in expected.items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -553,7 +582,8 @@ def load_model(
             with safe_open(str(f), framework="pt", device="cpu") as handle:
                 for name in handle.keys():
                     if name in expected:
-                        stored = handle.get_tensor(name)
+                        stored = handle.get_tensor(name) if shard is None else shard.read(handle.get_slice(name),
+                                                                                          name)
                         loaded[name] = stored.to(device=dev, dtype=dtype)
                         if check_finite:
                             refuse_non_finite(name, loaded[name], f, stored)

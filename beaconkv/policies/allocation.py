@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
@@ -34,7 +34,7 @@ from .config import PolicyConfigError, check_int, check_number, parse_settings, 
 from .schedules import Schedule
 from .selection import EMPTY
 
-__all__ = ["Allocation", "HeadAdaptive", "Uniform", "allocation_names", "parse_allocation"]
+__all__ = ["Allocation", "HeadAdaptive", "HeadExchange", "Uniform", "allocation_names", "parse_allocation"]
 
 
 class AllocatedPolicy(Protocol):
@@ -43,6 +43,18 @@ class AllocatedPolicy(Protocol):
     budget: int | None
     n_recent: int
     schedule: Schedule
+
+
+class HeadExchange(Protocol):
+    """How a layer's KV heads meet when they are spread over processes (tensor parallelism: each rank holds
+    some heads; :class:`beaconkv.distributed.heads.RankHeads`). An allocation that compares heads gathers
+    what it needs of every head, decides for all of them, and keeps its own heads' part."""
+
+    def gather(self, key: Tensor) -> Tensor:
+        """``(b, local_kv_heads, C)`` -> ``(b, kv_heads, C)``: every head of the layer, in the model's order."""
+
+    def local(self, counts: Tensor) -> Tensor:
+        """``(b, kv_heads)`` -> ``(b, local_kv_heads)``: this process's heads."""
 
 
 class Allocation(ABC):
@@ -122,6 +134,9 @@ class HeadAdaptive(Allocation):
         headroom: Evictable slots a head may keep above the average; None (default): half the schedule's
             gap between evictions (``(budget - B_min) // 2``: 8 at budget 128), so evictions come at most
             twice as often. Must leave at least one new token between evictions.
+        heads: Where the layer's other KV heads are (tensor parallelism: the ranks' heads, gathered before
+            the split and cut back after it, so every rank splits exactly as one process would); None (default):
+            every head is here. Not a setting: not shown, not compared, and refused from a text spec.
 
     Raises:
         PolicyConfigError: A floor outside [0, 1], a negative headroom, one that leaves no room for new
@@ -130,6 +145,7 @@ class HeadAdaptive(Allocation):
 
     floor: float = 0.2
     headroom: int | None = None
+    heads: HeadExchange | None = field(default=None, repr=False, compare=False)
 
     name: ClassVar[str] = "head_adaptive"
     adaptive: ClassVar[bool] = True
@@ -138,6 +154,9 @@ class HeadAdaptive(Allocation):
         check_number("floor", self.floor, 0.0, 1.0, hint="(the share of the average every head keeps; default 0.2)")
         check_int("headroom", self.headroom, 0, optional=True,
                   hint="(evictable slots a head may keep above the average; None: half the eviction gap)")
+        if self.heads is not None and not (hasattr(self.heads, "gather") and hasattr(self.heads, "local")):
+            raise PolicyConfigError(f"heads={self.heads!r} is not a setting: it is the exchange tensor parallelism "
+                                    "installs (an object with gather and local); leave it out.")
 
     def check(self, policy: AllocatedPolicy) -> None:
         if policy.schedule.sizes_itself or policy.budget is None:
@@ -167,6 +186,11 @@ class HeadAdaptive(Allocation):
         return min(keep, max(policy.n_recent, math.ceil(self.floor * keep)))
 
     def head_counts(self, policy: AllocatedPolicy, key: Tensor, n_prefix: Tensor, keep: int) -> Tensor:
+        if self.heads is not None:  # the layer's heads live on several processes
+            return self.heads.local(self._split(policy, self.heads.gather(key), n_prefix, keep))
+        return self._split(policy, key, n_prefix, keep)
+
+    def _split(self, policy: AllocatedPolicy, key: Tensor, n_prefix: Tensor, keep: int) -> Tensor:
         B, H, C = key.shape
         ranked = torch.sort(key, dim=-1, descending=True, stable=True).values  # (b, kv, C), best first
         ranks = torch.arange(C, device=key.device)[None, None, :]
