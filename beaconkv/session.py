@@ -10,8 +10,9 @@ fidelity study — so they all run the same steps:
    their prompts through :meth:`~beaconkv.models.CausalLM.prefill` (the cache stores keys and values,
    the state's observers see the queries) and lets the policy act;
 3. **decode** — :meth:`Session.step` runs one decode step for every row (model, in-place cache
-   write, attention, each row's own sampling: :func:`decode_and_sample`, through the executor — one
-   graph when compiled), then the policy's between-step work (evictions when due);
+   write, attention, each row's own sampling) in the shape its executor asks for
+   (:class:`~beaconkv.execution.decode.DecodeStep`: one function eagerly, one graph, or a graph per block
+   of layers), then the policy's driver acts (evictions when due);
 4. **release** — :meth:`Session.release` ends rows (a finished request leaves its slot to the next).
 
 Rows that are not admitted do not decode: they write nothing that counts, never evict and are never
@@ -28,62 +29,13 @@ from torch import Tensor
 
 from .cache import KVCache
 from .execution import CompileConfig, make_executor, resolve_compile_config
-from .models.decoder import CausalLM, decode_layers
-from .observation import LayerObserver
+from .execution.decode import DecodeStep, Observers
+from .models.decoder import CausalLM
 from .policies.base import EvictionPolicy, FullKV
 from .policies.driver import PolicyDriver
 from .preparation import PreparedModel
-from .sampling import RowSampling, sample_rows
+from .sampling import RowSampling
 from .storage import KVStorage
-
-
-Observers = tuple[LayerObserver | None, ...] | None
-"""Each layer's observer in a decode step (None for a layer nobody observes; None: no layer is observed)."""
-
-
-def decode_and_sample(
-    model: CausalLM, cache: KVCache, observers: Observers, tokens: Tensor, positions: Tensor, sampling: RowSampling,
-    noise: Tensor | None, regions: bool = False,
-) -> Tensor:
-    """One decode step for the whole batch and the next tokens (the body of the compiled decode step).
-
-    Args:
-        model: The model.
-        cache: The cache (written in place).
-        observers: Each layer's observer (the policy's; see :attr:`Session.observers`).
-        tokens: ``(batch,)`` newest tokens.
-        positions: ``(batch,)`` their positions.
-        sampling: Each row's sampling parameters (tensors; its ``mode`` is a constant of the graph).
-        noise: Race noise of the sampled rows (None when every row is greedy); drawn outside (a graph
-            cannot take a ``torch.Generator``) by the same calls an eager run makes, so seeded runs match.
-        regions: Each decoder layer as one nested compile region (see :meth:`~beaconkv.models.CausalLM.decode_step`).
-
-    Returns:
-        ``(batch,)`` int64 next tokens.
-    """
-    logits = model.decode_step(tokens, positions, cache, observers, regions)
-    return sample_rows(logits, sampling, noise)
-
-
-def decode_logits(model: CausalLM, cache: KVCache, observers: Observers, tokens: Tensor, positions: Tensor,
-                  regions: bool = False) -> Tensor:
-    """One decode step returning the float32 logits ``(batch, vocab)`` (teacher forcing, measurement)."""
-    return model.decode_step(tokens, positions, cache, observers, regions)
-
-
-def sample_logits(model: CausalLM, x: Tensor, sampling: RowSampling, noise: Tensor | None) -> Tensor:
-    """The last piece of a layer-by-layer decode step: logits of the last hidden states, then the next tokens."""
-    return sample_rows(model.decode_logits(x), sampling, noise)
-
-
-def last_logits(model: CausalLM, x: Tensor) -> Tensor:
-    """The last piece of a layer-by-layer decode step that returns logits (teacher forcing)."""
-    return model.decode_logits(x)
-
-
-def decode_inputs(model: CausalLM, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
-    """The first piece of a layer-by-layer decode step (see :meth:`~beaconkv.models.CausalLM.decode_inputs`)."""
-    return model.decode_inputs(tokens, positions)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], device: torch.device, pad: int = 0) -> tuple[Tensor, Tensor]:
@@ -127,6 +79,7 @@ class Session:
             layer's queries).
         observers: What the decode step hands each layer to report to: the state's observer of that
             layer, or None where it observes nothing during decoding (None: no layer).
+        decode: The decode step (:class:`~beaconkv.execution.decode.DecodeStep`) in the executor's shape.
         policy_s: Host seconds spent in the policy between steps.
     """
 
@@ -158,7 +111,7 @@ class Session:
         watched = tuple(o if o.observes_decode else None for o in self.state.observers)
         self.observers: Observers = watched if any(o is not None for o in watched) else None
         self.decoder.prepare(self.cache, self.state)
-        self._blocks = self._layer_blocks() if self._by_layer else []
+        self.decode = DecodeStep(self.decoder, model, self.cache, self.observers)
         self.policy_s = 0.0
 
     @classmethod
@@ -324,51 +277,17 @@ class Session:
         Returns:
             ``(batch,)`` next tokens (a fresh tensor).
         """
-        if self._by_layer:
-            nxt = self.decoder.run(sample_logits, self.model, self._run_layers(tokens), sampling, noise)
-        else:
-            nxt = self.decoder.run(decode_and_sample, self.model, self.cache, self.observers, tokens, self.positions,
-                                   sampling, noise, self._regions)
+        nxt = self.decode.tokens(tokens, self.positions, sampling, noise)
         self.after_step()
         return nxt
 
     @torch.inference_mode()
     def step_logits(self, tokens: Tensor) -> Tensor:
-        """Decodes ``tokens`` and returns their float32 logits ``(batch, vocab)``; then the policy acts."""
-        if self._by_layer:
-            logits = self.decoder.run(last_logits, self.model, self._run_layers(tokens))
-        else:
-            logits = self.decoder.run(decode_logits, self.model, self.cache, self.observers, tokens, self.positions,
-                                      self._regions)
+        """Decodes ``tokens`` and returns their float32 logits ``(batch, vocab)``; then the policy acts
+        (teacher forcing: the accuracy suite's decode text, a measurement's trace)."""
+        logits = self.decode.logits(tokens, self.positions)
         self.after_step()
         return logits
-
-    @property
-    def _by_layer(self) -> bool:
-        """Whether the compiled decode step runs as one graph per piece (inputs, each block of layers, logits):
-        one block's graph compiled once serves every block (:attr:`~beaconkv.execution.CompileConfig.layerwise`)."""
-        return self.decoder.decode_shape == "layers"
-
-    @property
-    def _regions(self) -> bool:
-        """Whether the compiled decode step is one graph whose layers are one nested compile region
-        (:attr:`~beaconkv.execution.CompileConfig.regions`)."""
-        return self.decoder.decode_shape == "regions"
-
-    def _layer_blocks(self) -> list[tuple[tuple, tuple, Observers]]:
-        """Each block of a layer-by-layer decode step: its layers, their caches and observers (made once)."""
-        layers = tuple(self.model.model.layers)
-        k = self.decoder.config.block_size(len(layers))
-        return [(layers[i:i + k], tuple(self.cache[j] for j in range(i, min(i + k, len(layers)))),
-                 None if self.observers is None else self.observers[i:i + k]) for i in range(0, len(layers), k)]
-
-    def _run_layers(self, tokens: Tensor) -> Tensor:
-        """The inputs and every layer of a layer-by-layer decode step; returns the last hidden states."""
-        run = self.decoder.run
-        x, positions, rotary = run(decode_inputs, self.model, tokens, self.positions)
-        for layers, caches, observers in self._blocks:
-            x = run(decode_layers, layers, x, positions, rotary, caches, observers)
-        return x
 
     def after_step(self) -> None:
         """The policy's between-step work and the positions' advance, after a decode step wrote a token

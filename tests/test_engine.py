@@ -91,7 +91,7 @@ def test_finished_requests_stop_being_evicted_and_counted(llama):
 def test_slots_are_reused_and_the_compiled_step_too(llama):
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from beaconkv.session import decode_and_sample
+    from beaconkv.execution.decode import decode_and_sample
 
     engine = Engine(llama, None, policy=make_policy("snapkv", budget=16, n_recent=2, window=4), max_batch=2,
                     prompt_capacity=12, max_new_tokens=40, compile=beaconkv.CompileConfig(backend="aot_eager"))

@@ -200,18 +200,17 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden[torch.arange(B, device=hidden.device), last]).float()
 
     def decode_step(self, tokens: Tensor, positions: Tensor, cache: ModelCache,
-                    observers: ModelObserver | None = None, regions: bool = False) -> Tensor:
+                    observers: ModelObserver | None = None) -> Tensor:
         """One decode step for the whole batch: static shapes, in-place cache writes.
 
-        It is :meth:`decode_inputs`, :func:`decode_layers` over the layers, then :meth:`decode_logits`:
-        the three pieces a layer-by-layer compiled step runs as separate graphs.
+        It is :meth:`decode_inputs`, :func:`decode_layers` over the layers, then :meth:`decode_logits`: the
+        pieces an executor may run separately (:mod:`beaconkv.execution.decode` owns how).
 
         Args:
             tokens: ``(batch,)`` the newest token of each sequence.
             positions: ``(batch,)`` its absolute position.
             cache: The generation's cache.
             observers: Who observes each layer's step (None: nobody; see :meth:`prefill`).
-            regions: Run each layer through :func:`decode_layer_region` (a compile hint: the same result).
 
         Returns:
             ``(batch, vocab)`` float32 logits.
@@ -219,7 +218,7 @@ class CausalLM(nn.Module):
         x, positions_2d, rotary = self.decode_inputs(tokens, positions)
         n = len(cache)
         x = decode_layers(tuple(self.model.layers), x, positions_2d, rotary, tuple(cache[i] for i in range(n)),
-                          None if observers is None else tuple(observers[i] for i in range(n)), regions)
+                          None if observers is None else tuple(observers[i] for i in range(n)))
         return self.decode_logits(x)
 
     def decode_inputs(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Rotary]:
@@ -233,33 +232,15 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model.norm(x)[:, 0]).float()
 
 
-def _decode_layer(layer: nn.Module, x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache,
-                  observer: LayerObserver | None) -> Tensor:
-    return layer(x, positions, (cos, sin), None, cache, True, observer)
-
-
-_nested_region = getattr(torch.compiler, "nested_compile_region", None)
-decode_layer_region = _nested_region(_decode_layer) if _nested_region is not None else _decode_layer
-"""One decoder layer of a decode step, as a nested compile region: called eagerly it is the layer itself;
-inside a compiled step dynamo traces it once and every layer's call reuses that region (same code, same
-shapes, the layer's weights and cache as its inputs), so a whole-step graph compiles about as fast as one
-layer (:attr:`~beaconkv.execution.CompileConfig.regions`)."""
-
-
 def decode_layers(layers: tuple[nn.Module, ...], x: Tensor, positions: Tensor, rotary: Rotary,
-                  caches: tuple[LayerCache, ...], observers: tuple[LayerObserver | None, ...] | None = None,
-                  regions: bool = False) -> Tensor:
+                  caches: tuple[LayerCache, ...], observers: tuple[LayerObserver | None, ...] | None = None) -> Tensor:
     """Consecutive decoder layers of a decode step (see :meth:`CausalLM.decode_step`), each appending to and
-    attending over its own layer's cache in ``caches`` and reporting to its observer in ``observers``
-    (``regions``: each through :data:`decode_layer_region`).
+    attending over its own layer's cache in ``caches`` and reporting to its observer in ``observers``.
 
     Every layer runs the same code with the same shapes, so a compiled step compiles this once for a
     block of layers and calls it for every block."""
     for layer, cache, observer in zip(layers, caches, observers or (None,) * len(layers)):
-        if regions:
-            x = decode_layer_region(layer, x, positions, rotary[0], rotary[1], cache, observer)
-        else:
-            x = layer(x, positions, rotary, None, cache, True, observer)
+        x = layer(x, positions, rotary, None, cache, True, observer)
     return x
 
 

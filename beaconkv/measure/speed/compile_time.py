@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from ...execution.decode import DECODE_FUNCTIONS as decode_step_functions
+
 if TYPE_CHECKING:
     from ...execution import CompileConfig
 
@@ -78,9 +80,9 @@ def shape_compile_config(shape: str, backend: str = "inductor") -> CompileConfig
     return CompileConfig(backend=backend, **shape_config(shape))
 
 
-DECODE_FUNCTIONS = frozenset({"decode_and_sample", "decode_logits", "decode_inputs", "decode_layers", "sample_logits",
-                              "last_logits"})
-"""The device functions of a decode step (whole or by region; :mod:`beaconkv.session`), by name."""
+DECODE_FUNCTIONS = frozenset(fn.__qualname__ for fn in decode_step_functions)
+"""The device functions of a decode step, in any shape (:data:`beaconkv.execution.decode.DECODE_FUNCTIONS`), by
+the names an executor counts them under."""
 COMPILE_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                   "How many clips did Natalia sell altogether in April and May? Think step by step.")
 """The prompt every measured call generates from (a GSM8K question)."""
