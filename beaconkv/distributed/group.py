@@ -36,9 +36,9 @@ from ..errors import BeaconKVError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "TensorParallel", "TensorParallelError", "backend_for", "under_torchrun"]
 
-#: Seconds a collective may wait for the other ranks before it fails (a dead or stuck rank). Long enough for
-#: the slowest rank to load its shard and for rank 0 to tokenize between steps; the tests use a few seconds.
 DEFAULT_TIMEOUT_S = 600.0
+"""Seconds a collective may wait for the other ranks before it fails (a dead or stuck rank). Long enough for
+the slowest rank to load its shard and for rank 0 to tokenize between steps; the tests use a few seconds."""
 
 
 class TensorParallelError(BeaconKVError, RuntimeError):

@@ -93,7 +93,9 @@ def load_shard(path_or_id: str | Path, tp: TensorParallel, dtype: torch.dtype | 
 
     Raises:
         TensorParallelError: The model cannot be split over ``tp.size`` ranks.
-        Everything :func:`~beaconkv.models.load_model` raises.
+        CheckpointError: Everything else :func:`~beaconkv.models.load_model` refuses (missing or mis-shaped
+            tensors, a config that disagrees with them, non-finite weights; also its ``FileNotFoundError``,
+            ``ConfigFileError`` and ``UnsupportedModelError``).
     """
     directory = resolve_checkpoint(path_or_id)
     shard = RankShard(tp, vocab_parallel)

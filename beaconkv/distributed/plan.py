@@ -248,6 +248,24 @@ class ShardPlan:
             shape[s.dim] = full[key]
         return tuple(shape)
 
+    @property
+    def parameters(self) -> int:
+        """The parameters this rank holds (its slices, the replicated norms and its vocabulary rows), from the
+        config alone: what its weights cost is ``parameters * bytes per element``."""
+        c, hd = self.config, self.config.head_dim
+        q, kv, out = len(self.attention_heads) * hd, len(self.kv_heads) * hd, len(self.output_heads) * hd
+        attention = c.hidden_size * (q + 2 * kv) + out * c.hidden_size
+        attention += (q + 2 * kv) if c.attention_bias else 0
+        attention += 2 * hd if c.qk_norm else 0
+        layer = attention + 3 * c.hidden_size * len(self.intermediate) + 2 * c.hidden_size
+        vocab = len(self.vocab) * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+        return c.num_hidden_layers * layer + vocab + c.hidden_size
+
+    def kv_bytes_per_token(self, element_size: int = 2) -> int:
+        """Bytes of keys and values one token takes in this rank's cache (every layer, its KV heads; dense
+        storage of ``element_size``-byte elements: 2 for bfloat16)."""
+        return 2 * self.config.num_hidden_layers * len(self.kv_heads) * self.config.head_dim * element_size
+
     def describe(self) -> str:
         """One line for logs: ``rank 1/2: KV heads 1..1 (1 of 2), query heads 2..3, MLP 48 of 96, vocab 49..96``."""
         c = self.config

@@ -100,3 +100,30 @@ def test_describe_names_the_rank_and_its_share():
     line = ShardPlan(config(heads=8, kv=2), 4, 1).describe()
     assert line.startswith("rank 1/4: KV heads 0..0 (1 of 2, replicated x2), query heads 0..3 (o_proj 2..3)")
     assert "MLP 24 of 96, vocab 25..48" in line
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize(("heads", "kv", "size"), [(8, 4, 2), (8, 2, 4), (9, 3, 2), (8, 2, 1)])
+def test_parameters_are_what_the_rank_builds(kind, heads, kv, size):
+    """The arithmetic count equals the parameters of the rank's model built on the meta device."""
+    import torch
+
+    from beaconkv.distributed.group import TensorParallel
+    from beaconkv.distributed.layers import attention_factory, mlp_factory, use_vocab_parallel
+    from beaconkv.models import build_model
+
+    for tied in (True, False):
+        for vocab_parallel in (True, False):
+            c = dataclasses.replace(config(heads=heads, kv=kv, inter=96), model_type=kind, qk_norm=kind == "qwen3",
+                                    attention_bias=kind == "qwen2", tie_word_embeddings=tied)
+            for rank in range(size):
+                plan = ShardPlan(c, size, rank, vocab_parallel)
+                tp = TensorParallel(None, rank, size)
+                with torch.device("meta"):
+                    model = build_model(plan.local_config(), attention=attention_factory(plan, tp),
+                                        mlp=mlp_factory(tp))
+                    if vocab_parallel:
+                        use_vocab_parallel(model, plan, tp)
+                built = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+                assert plan.parameters == built, (tied, vocab_parallel, rank)
+    assert ShardPlan(config(heads=8, kv=2), 4, 0).kv_bytes_per_token() == 2 * 2 * 1 * 16 * 2

@@ -45,9 +45,10 @@ from .policies import DEFAULT_POLICIES, measure_policies
 from .report import markdown_report
 from .table4 import add_table4_arguments, run_table4_section
 from .targets import evaluate_targets
+from .tensor_parallel import add_tp_arguments, markdown_tp, run_tp_section
 from .throughput import measure_throughput
 
-SECTIONS = ("throughput", "curve", "policies", "table4", "engine", "compile", "hf")
+SECTIONS = ("throughput", "curve", "policies", "table4", "engine", "compile", "hf", "tp")
 
 #: What ``--quick`` costs, measured with ``time beaconkv bench --quick`` on this project's 2-core CPU
 #: (2 threads, the embedded model already converted): with inductor's on-disk cache filled by an
@@ -114,6 +115,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add_hf_arguments(parser.add_argument_group(
         "hf: BeaconKV inside transformers (PolicyCache) vs transformers' DynamicCache vs beaconkv's decoder "
         "(--sections ...,hf)"))
+    add_tp_arguments(parser.add_argument_group(
+        "tp: tensor parallelism, N ranks x 1 thread vs 1 rank x N threads on the CPU (--sections ...,tp)"))
     parser.add_argument("--out", type=Path, default=Path("results/bench"), help="output directory (default results/bench)")
     return parser
 
@@ -228,6 +231,9 @@ def run_bench(args: argparse.Namespace) -> int:
                              int_list(args.hf_tokens), int_list(args.hf_batches), args.hf_budget,
                              args.hf_prompt_tokens, log)
         results["hf"] = {"budget": args.hf_budget, "rows": [asdict(r) for r in rows_hf]}
+    if "tp" in args.sections:
+        log(f"tensor parallelism ({args.tp_ranks} ranks x 1 thread vs 1 rank x {args.tp_ranks} threads):")
+        results["tp"] = run_tp_section(args, path, device, log)
     if "compile" in args.sections:
         log("compile time (fresh processes):")
         results["compile"] = run_compile_section(args, args.model, device.type, args.policy_dtype, COMPILE_PROMPT, log)
@@ -240,6 +246,8 @@ def run_bench(args: argparse.Namespace) -> int:
         report += "\n\n" + markdown_engine(from_rows, results["engine"]["workload"])
     if "compile" in results:
         report += "\n\n" + markdown_compile(results["compile"])
+    if "tp" in results:
+        report += "\n\n" + markdown_tp(results["tp"])
     if "hf" in results:
         report += "\n\n" + markdown_hf([HFBenchRow(**r) for r in results["hf"]["rows"]], results["hf"]["budget"])
     (args.out / "bench.md").write_text(report + "\n")
