@@ -34,11 +34,17 @@ from torch import Tensor
 
 from ..errors import BeaconKVError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "TensorParallel", "TensorParallelError", "backend_for", "under_torchrun"]
+__all__ = ["DEFAULT_TIMEOUT_S", "IDLE_TIMEOUT_S", "TensorParallel", "TensorParallelError", "backend_for",
+           "under_torchrun"]
 
 DEFAULT_TIMEOUT_S = 600.0
 """Seconds a collective may wait for the other ranks before it fails (a dead or stuck rank). Long enough for
 the slowest rank to load its shard and for rank 0 to tokenize between steps; the tests use a few seconds."""
+
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0
+"""Seconds the other ranks wait for rank 0's next call (a server with no request for a while) before they give
+up. Rank 0's calls travel on a gloo group of their own with this timeout; a rank 0 that dies is still noticed
+at once (its connections close)."""
 
 
 class TensorParallelError(BeaconKVError, RuntimeError):
@@ -60,6 +66,10 @@ def under_torchrun() -> bool:
 class TensorParallel:
     """One process's place in a tensor-parallel group, and the collectives over the group.
 
+    The model's collectives run on ``group``, made with ``timeout_s``; the process group's rendezvous and
+    rank 0's calls between steps (``control``) wait up to :data:`IDLE_TIMEOUT_S` instead, so a slow start or
+    an idle server is not a failure.
+
     Args:
         group: The process group of the ranks that share one model (None: the default group).
         rank: This process's rank in ``group`` (0 owns the tokenizer and the scheduling).
@@ -67,6 +77,9 @@ class TensorParallel:
         timeout_s: Seconds a collective waits before failing (the group was made with it).
         device: Where this rank's shard lives (a CUDA rank's collectives run on its GPU).
         owns_group: Whether :meth:`close` destroys the process group (this object made it).
+        control: The gloo group of the same ranks that carries rank 0's calls between steps (:meth:`broadcast`
+            and :meth:`broadcast_object` with ``control=True``), with the long :data:`IDLE_TIMEOUT_S` (None:
+            ``group``, with its timeout).
 
     Raises:
         TensorParallelError: ``rank`` is outside ``[0, size)``.
@@ -78,6 +91,7 @@ class TensorParallel:
     timeout_s: float = DEFAULT_TIMEOUT_S
     device: torch.device = torch.device("cpu")
     owns_group: bool = False
+    control: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -110,9 +124,11 @@ class TensorParallel:
         device = torch.device(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend_for(device), init_method=address, rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(dist.group.WORLD, rank, size, timeout_s, device, owns_group=True)
+        idle = datetime.timedelta(seconds=IDLE_TIMEOUT_S)  # the rendezvous waits for the slowest rank to start
+        dist.init_process_group(backend_for(device), init_method=address, rank=rank, world_size=size, timeout=idle)
+        compute = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+        control = dist.new_group(backend="gloo", timeout=idle)
+        return cls(compute, rank, size, timeout_s, device, owns_group=True, control=control)
 
     @classmethod
     def split(cls, tensor_parallel_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -142,17 +158,17 @@ class TensorParallel:
                                           "MASTER_PORT; start the script with torchrun --nproc-per-node N.")
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % tensor_parallel_size:
             raise TensorParallelError(
                 f"the world has {world} ranks, not a multiple of tensor_parallel_size={tensor_parallel_size}; "
                 f"start torchrun with a multiple of {tensor_parallel_size} processes.")
-        if tensor_parallel_size == world:
-            return cls(dist.group.WORLD, rank, world, timeout_s, device)
         groups = [list(range(s, s + tensor_parallel_size)) for s in range(0, world, tensor_parallel_size)]
-        mine, _ = dist.new_subgroups_by_enumeration(groups, timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(mine, rank % tensor_parallel_size, tensor_parallel_size, timeout_s, device)
+        compute, _ = dist.new_subgroups_by_enumeration(groups, timeout=datetime.timedelta(seconds=timeout_s))
+        control, _ = dist.new_subgroups_by_enumeration(groups, timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S),
+                                                       backend="gloo")
+        return cls(compute, rank % tensor_parallel_size, tensor_parallel_size, timeout_s, device, control=control)
 
     @property
     def is_main(self) -> bool:
@@ -194,32 +210,40 @@ class TensorParallel:
             out = torch.cat([out[r * part:r * part + n] for r, n in enumerate(lengths)])
         return out.movedim(0, dim)
 
-    def broadcast(self, x: Tensor) -> Tensor:
-        """Rank 0's ``x`` on every rank, in place (the others pass a buffer of the same shape and dtype)."""
-        dist.broadcast(x, group=self.group, group_src=0)
+    def broadcast(self, x: Tensor, control: bool = False) -> Tensor:
+        """Rank 0's ``x`` on every rank, in place (the others pass a buffer of the same shape and dtype);
+        ``control``: on the :attr:`control` group (a CPU tensor)."""
+        dist.broadcast(x, group=self._group(control), group_src=0)
         return x
 
-    def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's ``obj`` (pickled) on every rank; the others pass anything and get rank 0's back."""
+    def broadcast_object(self, obj: Any = None, control: bool = False) -> Any:
+        """Rank 0's ``obj`` (pickled) on every rank; the others pass anything and get rank 0's back
+        (``control``: on the :attr:`control` group)."""
         box = [obj if self.is_main else None]
-        dist.broadcast_object_list(box, group=self.group, group_src=0, device=self._object_device)
+        group = self._group(control)
+        device = None if group is not self.group else self._object_device
+        dist.broadcast_object_list(box, group=group, group_src=0, device=device)
         return box[0]
 
+    def _group(self, control: bool) -> Any:
+        return self.control if control and self.control is not None else self.group
+
     def gather_objects(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj`` on rank 0, in rank order (None on the other ranks)."""
+        """Every rank's ``obj`` on rank 0, in rank order (None on the other ranks), on the control group."""
         out: list[Any] | None = [None] * self.size if self.is_main else None
-        dist.gather_object(obj, out, group=self.group, group_dst=0)
+        dist.gather_object(obj, out, group=self._group(True), group_dst=0)
         return out
 
     def all_gather_objects(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` on every rank, in rank order."""
+        """Every rank's ``obj`` on every rank, in rank order, on the control group."""
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj, group=self._group(True))
         return out
 
     def barrier(self) -> None:
-        """Waits until every rank of the group arrives (fails at the timeout, or when a rank died)."""
-        dist.barrier(group=self.group)
+        """Waits until every rank of the group arrives (on the control group: the slowest rank may take long
+        to load its shard; a rank that died fails it at once)."""
+        dist.barrier(group=self._group(True))
 
     @property
     def _object_device(self) -> torch.device | None:

@@ -40,7 +40,7 @@ from ..models.config import ModelConfig
 from ..models.decoder import CausalLM
 from .group import DEFAULT_TIMEOUT_S, TensorParallel, TensorParallelError, under_torchrun
 from .loading import load_shard
-from .mirror import follow, send_exit
+from .mirror import MirroredEngine, follow, send_exit
 from .plan import check_tensor_parallel_size
 
 __all__ = ["TensorParallelRun", "generate_tensor_parallel", "rank_device"]
@@ -194,6 +194,18 @@ class TensorParallelRun:
 
         with self.guard("generating"):
             return generate(self.model, tokenizer, prompts, **kwargs)
+
+    def engine(self, tokenizer: Any = None, **kwargs: Any) -> MirroredEngine:
+        """A continuous-batching :class:`~beaconkv.engine.Engine` on the shard, its session mirrored on every rank
+        (what a server steps: it may sit idle between requests for up to
+        :data:`~beaconkv.distributed.group.IDLE_TIMEOUT_S`).
+
+        Args:
+            tokenizer: The tokenizer (None: token ids only).
+            **kwargs: :class:`~beaconkv.engine.Engine`'s keyword arguments (see
+                :class:`~beaconkv.distributed.mirror.MirroredEngine`).
+        """
+        return MirroredEngine(self.model, tokenizer, **kwargs)
 
     @contextlib.contextmanager
     def guard(self, doing: str) -> Iterator[None]:

@@ -33,6 +33,7 @@ the others to stop when it is done) while the others call :func:`follow`::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -56,8 +57,8 @@ logger = logging.getLogger("beaconkv.distributed")
 """Where a following rank logs a call that failed on it (rank 0's engine reports it to the request)."""
 
 # the ops rank 0 sends; a header is (op, number of tokens that follow)
-_OPEN, _PREFILL, _EXTEND, _STEP, _RELEASE, _TELEMETRY, _IDLE, _EXIT = range(8)
-_NAMES = ["open", "prefill", "extend", "step", "release", "telemetry", "idle", "exit"]
+_OPEN, _PREFILL, _EXTEND, _STEP, _RELEASE, _TELEMETRY, _EXIT = range(7)
+_NAMES = ["open", "prefill", "extend", "step", "release", "telemetry", "exit"]
 
 
 def _group(model: CausalLM) -> tuple[TensorParallel, ShardPlan]:
@@ -69,27 +70,30 @@ def _group(model: CausalLM) -> tuple[TensorParallel, ShardPlan]:
 
 
 class _Channel:
-    """Rank 0's ops to the other ranks: a two-integer header, then the op's tokens or its pickled arguments."""
+    """Rank 0's ops to the other ranks: a two-integer header, then the op's tokens or its pickled arguments, on
+    the group's control group (gloo, CPU tensors, the long idle timeout: a server may wait for requests)."""
 
     def __init__(self, tp: TensorParallel) -> None:
         self.tp = tp
-        self.header = torch.zeros(2, dtype=torch.long, device=tp.device)
+        self.header = torch.zeros(2, dtype=torch.long)  # on the CPU: the control group is gloo's
 
     def send(self, op: int, tokens: Tensor | None = None, args: Any = None) -> None:
         self.header[0], self.header[1] = op, 0 if tokens is None else tokens.numel()
-        self.tp.broadcast(self.header)
+        self.tp.broadcast(self.header, control=True)
         if tokens is not None:
-            self.tp.broadcast(tokens.to(device=self.tp.device, dtype=torch.long).contiguous())
+            self.tp.broadcast(tokens.to(device="cpu", dtype=torch.long).contiguous(), control=True)
         elif op in (_OPEN, _PREFILL, _EXTEND, _RELEASE):
-            self.tp.broadcast_object(args)
+            self.tp.broadcast_object(args, control=True)
 
     def receive(self) -> tuple[int, Tensor | None, Any]:
-        self.tp.broadcast(self.header)
+        """The next op; waits as long as rank 0 is idle (the control group's long timeout)."""
+        self.tp.broadcast(self.header, control=True)
         op, n = int(self.header[0]), int(self.header[1])
         if op == _STEP:
-            return op, self.tp.broadcast(torch.empty(n, dtype=torch.long, device=self.tp.device)), None
+            tokens = self.tp.broadcast(torch.empty(n, dtype=torch.long), control=True)
+            return op, tokens.to(self.tp.device), None
         if op in (_OPEN, _PREFILL, _EXTEND, _RELEASE):
-            return op, None, self.tp.broadcast_object()
+            return op, None, self.tp.broadcast_object(control=True)
         return op, None, None
 
 
@@ -136,11 +140,6 @@ class SessionMirror:
         self._channel.send(_RELEASE, args=list(rows))
         self.session.release(rows)
 
-    def idle(self) -> None:
-        """Tells the other ranks rank 0 is alive with nothing to run (a server between requests: their wait
-        for the next call never reaches the collectives' timeout)."""
-        self._channel.send(_IDLE)
-
     def gather_telemetry(self) -> list[list[EvictionRecord]]:
         """Every rank's eviction records, in rank order (rank 0's first)."""
         self._channel.send(_TELEMETRY)
@@ -169,14 +168,18 @@ class MirroredEngine(Engine):
         if not tp.is_main:
             raise TensorParallelError(f"rank {tp.rank} runs no engine: only rank 0 schedules; the other ranks call "
                                       "beaconkv.distributed.follow(model).")
-        kernels = kwargs.get("kernels", "auto")
+        setup = kwargs.get("setup")  # the runtime options as one value, or as keywords
+        kernels = getattr(setup, "kernels", None) or kwargs.get("kernels", "auto")
         if kernels not in ("auto", "model"):
             raise TensorParallelError(f"kernels={kernels!r} replaces the shard's linear layers and their collectives; "
                                       "under tensor parallelism use kernels='model' (or 'auto').")
-        if kwargs.get("compile"):
+        if getattr(setup, "compile", False) or kwargs.get("compile"):
             raise TensorParallelError("compile is not supported with tensor parallelism yet; decode eagerly "
                                       "(compile=False).")
-        kwargs["kernels"] = "model"
+        if setup is not None:
+            kwargs["setup"] = dataclasses.replace(setup, kernels="model")
+        else:
+            kwargs["kernels"] = "model"
         policy = kwargs.get("policy") or FullKV()
         kwargs["policy"] = for_rank(policy, tp, plan)
         super().__init__(model, tokenizer, **kwargs)
@@ -266,8 +269,6 @@ def follow(model: CausalLM) -> None:
                     attach(session.cache, settings["policy"], tp, plan)
                 elif op == _TELEMETRY:
                     tp.gather_objects([] if session is None else list(session.state.stats.telemetry))
-                elif op == _IDLE:
-                    pass
                 elif session is None:
                     raise TensorParallelError(f"rank 0 sent {_NAMES[op]} before opening an engine")
                 elif op == _PREFILL:

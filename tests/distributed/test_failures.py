@@ -13,6 +13,7 @@ import torch
 import beaconkv
 from beaconkv import BeaconKV
 from beaconkv.distributed import TensorParallelError, TensorParallelRun
+from beaconkv.engine import Request
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,3 +59,20 @@ def test_sizes_and_models_refused_before_any_process_starts(tp_checkpoints):
     with pytest.raises(TensorParallelError, match="needs the model's checkpoint"):
         beaconkv.generate(beaconkv.build_model(whole.config), None, PROMPTS, tensor_parallel_size=2)
     assert not torch.distributed.is_initialized()
+
+
+def test_an_idle_group_outlives_the_collectives_timeout(tp_checkpoints):
+    """Rank 0 idle for longer than the model collectives' timeout (a server between requests): the other rank
+    waits on the control group's long timeout, and the next generation runs."""
+    threads = torch.get_num_threads()
+    with TensorParallelRun(tp_checkpoints["qwen3"], 2, timeout_s=4.0, threads=1) as run:
+        assert run.tp.control is not run.tp.group
+        first = run.generate(None, PROMPTS, max_new_tokens=6, policy=BeaconKV(16))
+        time.sleep(5.0)
+        assert run.generate(None, PROMPTS, max_new_tokens=6, policy=BeaconKV(16)).token_ids == first.token_ids
+        engine = run.engine(None, policy=BeaconKV(16), max_batch=1, prompt_capacity=16, max_new_tokens=6)
+        time.sleep(5.0)  # a server waiting for its first request
+        with torch.inference_mode():
+            done = engine.run([Request(p, 6) for p in PROMPTS])  # one slot: the second request waits for the first
+        assert [c.token_ids for c in done] == first.token_ids
+    torch.set_num_threads(threads)
