@@ -53,6 +53,7 @@ from .policies import (
     register_policy,
 )
 from .sampling import SamplingError, SamplingParams
+from .decode_setup import DecodeSetup
 from .session import Session
 from .storage import DenseKV, Int8KV, KVStorage, StorageError
 from .tokenizer import Tokenizer, TokenizerFileError, load_tokenizer
@@ -65,7 +66,7 @@ __all__ = [
     "CausalLM", "ModelConfig", "Tokenizer", "build_model", "embedded_model_path", "generate", "load_model",
     "load_tokenizer", "GenerationOutput", "GenerationStats", "SamplingParams",
     # serving many requests
-    "Completion", "Engine", "Request", "Session",
+    "Completion", "DecodeSetup", "Engine", "Request", "Session",
     # policies: by class, or by registry name
     "BeaconKV", "EventBeaconKV", "EvictionPolicy", "FullKV", "GroupBeaconKV", "H2O", "InitialRecent", "MemoryBeaconKV",
     "RKV", "RPC", "SnapKV", "StreamingLLM", "ExpectedAttention", "KeyDiff", "KNorm", "LazyEviction", "TOVA",

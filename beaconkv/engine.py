@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .decode_setup import DecodeSetup
 from .detokenize import IncrementalDetokenizer
 from .errors import BeaconKVError
 from .execution import CompileConfig
@@ -255,6 +256,9 @@ class Engine:
             ``n_prefix + budget + prefill_chunk`` tokens per KV head instead of the whole prompt (an int
             ``n_prefix`` makes the prompt evictable; with the whole prompt protected nothing changes).
             None: whole prompts.
+        setup: ``kv_storage``, ``cache_dtype``, ``kernels``, ``compile``, ``prefill_chunk`` (and ``threads``,
+            set when the engine is made) as one :class:`~beaconkv.decode_setup.DecodeSetup`, instead of the
+            keywords (not with them).
 
     Attributes:
         prepared: What :func:`~beaconkv.preparation.prepare_model` made of ``model`` for this pool.
@@ -282,6 +286,7 @@ class Engine:
         seed: int = 0,
         on_step: Callable[[int, Session], None] | None = None,
         prefill_chunk: int | None = None,
+        setup: DecodeSetup | None = None,
     ) -> None:
         for name, value in (("max_batch", max_batch), ("prompt_capacity", prompt_capacity),
                             ("max_new_tokens", max_new_tokens), ("prefill_chunk", prefill_chunk)):
@@ -289,20 +294,22 @@ class Engine:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EngineError(f"{name}={value!r} must be an int >= 1.")
+        setup = DecodeSetup.of(setup, kv_storage=kv_storage, cache_dtype=cache_dtype, kernels=kernels,
+                               compile=compile, prefill_chunk=prefill_chunk)
+        setup.apply_threads()
         limit = model.config.max_position_embeddings
         if prompt_capacity + max_new_tokens > limit:
             raise EngineError(f"prompt_capacity={prompt_capacity} + max_new_tokens={max_new_tokens} exceeds the "
                               f"model's max_position_embeddings={limit}; lower one of them.")
-        self.prepared = prepare_model(model, max_batch, kernels=kernels, kv_storage=kv_storage, cache_dtype=cache_dtype,
-                                      compile=compile)
+        self.prepared = prepare_model(model, max_batch, setup)
         self.model, self.tokenizer = self.prepared.model, tokenizer
         self.policy = policy if policy is not None else FullKV()
         self.max_batch, self.prompt_capacity, self.max_new_tokens = max_batch, prompt_capacity, max_new_tokens
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = setup.prefill_chunk
         self.session = Session.prepared(
             self.prepared, self.policy, batch=max_batch,
-            capacity=self.policy.capacity([prompt_capacity], max_new_tokens, prefill_chunk=prefill_chunk),
-            max_tokens=prompt_capacity + max_new_tokens, kv_storage=kv_storage,
+            capacity=self.policy.capacity([prompt_capacity], max_new_tokens, prefill_chunk=self.prefill_chunk),
+            max_tokens=prompt_capacity + max_new_tokens,
         )
         self.device = self.session.device
         self.max_queue, self.on_step = max_queue, on_step

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .decode_setup import DecodeSetup
 from .engine import Engine, EngineError, Event, Request
 from .errors import BeaconKVError
 from .execution import CompileConfig
@@ -237,6 +238,7 @@ def generate(
     kernels: str = "auto",
     prefill_chunk: int | None = None,
     tensor_parallel_size: int = 1,
+    setup: DecodeSetup | None = None,
 ) -> GenerationOutput:
     """Generates continuations for a batch of prompts.
 
@@ -295,6 +297,10 @@ def generate(
             :class:`beaconkv.distributed.TensorParallelRun` instead, which never loads the whole model).
             ``model`` may also be rank 0's shard of a running group (then leave this at 1).
 
+        setup: The runtime options (``kv_storage``, ``cache_dtype``, ``kernels``, ``compile``,
+            ``prefill_chunk``, ``threads``) as one :class:`~beaconkv.decode_setup.DecodeSetup`, instead of
+            those keywords (not with them).
+
     Returns:
         The new tokens, texts, finish reasons and stats.
 
@@ -308,6 +314,11 @@ def generate(
         beaconkv.CompileError: ``compile`` was asked for and ``torch.compile`` is unavailable or
             failed (there is no silent fallback to eager).
     """
+    setup = DecodeSetup.of(setup, kv_storage=kv_storage, cache_dtype=cache_dtype, kernels=kernels, compile=compile,
+                           prefill_chunk=prefill_chunk)
+    kv_storage, cache_dtype, kernels, compile, prefill_chunk = (setup.kv_storage, setup.cache_dtype, setup.kernels,
+                                                                setup.compile, setup.prefill_chunk)
+    setup.apply_threads()
     if tensor_parallel_size != 1:  # spawn the ranks, run this call on rank 0 (here), stop them
         from .distributed.launch import generate_tensor_parallel
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .decode_setup import DecodeSetup
 from .execution import CompileConfig, resolve_compile_config
 from .models.cpu_linear import KernelChoice, choose_kernels
 from .models.decoder import CausalLM
@@ -38,12 +39,15 @@ class PreparedModel:
         choice: The kernels chosen, the model that runs them and the one-sentence reason.
         cache_dtype: The dtype a dense cache keeps keys and values in (None: the running model's).
         compile: The compile settings the session must use (None: eager).
+        setup: The caller's :class:`~beaconkv.decode_setup.DecodeSetup` with what the choice implies
+            (``cache_dtype``, ``compile``): what a session on :attr:`model` takes.
     """
 
     source: CausalLM
     choice: KernelChoice
     cache_dtype: torch.dtype | None
     compile: CompileConfig | None
+    setup: DecodeSetup = DecodeSetup()
 
     @property
     def model(self) -> CausalLM:
@@ -59,6 +63,7 @@ class PreparedModel:
 def prepare_model(
     model: CausalLM,
     rows: int,
+    setup: DecodeSetup | None = None,
     *,
     kernels: str = "auto",
     kv_storage: str | type[KVStorage] = "dense",
@@ -70,6 +75,8 @@ def prepare_model(
     Args:
         model: The caller's model (never modified).
         rows: Rows each decode step runs (the batch, or the engine's slot pool).
+        setup: The runtime options as one value (or the keywords below, not both; see
+            :meth:`~beaconkv.decode_setup.DecodeSetup.of`).
         kernels: ``"auto"``, ``"model"``, ``"packed"`` or ``"bf16w"``
             (see :func:`~beaconkv.models.cpu_linear.choose_kernels`).
         kv_storage: The cache's storage (a dense cache of a copy keeps the caller's dtype).
@@ -86,10 +93,13 @@ def prepare_model(
         beaconkv.kernels.build.KernelBuildError: ``"bf16w"`` where the kernel cannot be built.
         TypeError: ``compile`` is neither a bool nor a :class:`~beaconkv.execution.CompileConfig`.
     """
-    choice = choose_kernels(model, rows, kernels)
-    config = resolve_compile_config(compile)
-    if choice.model is not model and cache_dtype is None and kv_storage == "dense":
+    setup = DecodeSetup.of(setup, kernels=kernels, kv_storage=kv_storage, cache_dtype=cache_dtype, compile=compile)
+    choice = choose_kernels(model, rows, setup.kernels)
+    config = resolve_compile_config(setup.compile)
+    cache_dtype = setup.cache_dtype
+    if choice.model is not model and cache_dtype is None and setup.kv_storage == "dense":
         cache_dtype = model.dtype  # the cache the caller sized: fp32 compute does not double it
     if config is not None and config.cpu_gemv and choice.kernels != "model":
         config = dataclasses.replace(config, cpu_gemv=False)
-    return PreparedModel(model, choice, cache_dtype, config)
+    prepared = dataclasses.replace(setup, cache_dtype=cache_dtype, compile=config if config is not None else False)
+    return PreparedModel(model, choice, cache_dtype, config, prepared)

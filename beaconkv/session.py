@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .cache import KVCache
 from .execution import CompileConfig, make_executor, resolve_compile_config
+from .decode_setup import DecodeSetup
 from .execution.decode import DecodeStep, Observers
 from .models.decoder import CausalLM
 from .policies.base import EvictionPolicy, FullKV
@@ -69,9 +70,13 @@ class Session:
             :class:`~beaconkv.execution.CompileConfig`).
         query_window: Keep at least this many pre-RoPE queries per head in the observers' rings
             (measurement; the policy's own need is always met).
+        setup: ``kv_storage``, ``cache_dtype`` and ``compile`` as one
+            :class:`~beaconkv.decode_setup.DecodeSetup` (instead of the keywords, not with them; its
+            ``prefill_chunk`` is :meth:`prefill`'s default).
 
     Attributes:
         model: The model the session runs.
+        setup: The session's :class:`~beaconkv.decode_setup.DecodeSetup`.
         cache: The cache.
         driver: The :class:`~beaconkv.policies.PolicyDriver` running the policy over the cache (rows,
             schedule, evictions).
@@ -95,15 +100,18 @@ class Session:
         cache_dtype: torch.dtype | None = None,
         compile: bool | CompileConfig = False,
         query_window: int = 0,
+        setup: DecodeSetup | None = None,
     ) -> None:
+        setup = DecodeSetup.of(setup, kv_storage=kv_storage, cache_dtype=cache_dtype, compile=compile)
         cfg = model.config
         self.model = model
         self.policy = policy if policy is not None else FullKV()
         self.device = model.device
-        self.decoder, policy_executor = make_executor(resolve_compile_config(compile), self.device)
+        self.setup = setup
+        self.decoder, policy_executor = make_executor(resolve_compile_config(setup.compile), self.device)
         self.cache = KVCache.allocate(
             cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.num_attention_heads, capacity, cfg.head_dim,
-            dtype=model.dtype, device=self.device, storage=kv_storage, storage_dtype=cache_dtype,
+            dtype=model.dtype, device=self.device, storage=setup.kv_storage, storage_dtype=setup.cache_dtype,
         )
         self.driver = PolicyDriver(self.policy, self.cache, model.rope, policy_executor, max_tokens=max_tokens,
                                    query_window=query_window)  # no row admitted yet
@@ -116,16 +124,15 @@ class Session:
 
     @classmethod
     def prepared(cls, prepared: PreparedModel, policy: EvictionPolicy | None, **kwargs) -> Session:
-        """A session on a :func:`~beaconkv.preparation.prepare_model` result: its model, with its cache
-        dtype and compile settings.
+        """A session on a :func:`~beaconkv.preparation.prepare_model` result: its model, with its setup
+        (storage, cache dtype and compile settings as the preparation chose them).
 
         Args:
             prepared: What :func:`~beaconkv.preparation.prepare_model` made.
             policy: The policy (None = FullKV).
-            **kwargs: ``batch``, ``capacity``, ``max_tokens``, ``kv_storage``, ``query_window`` (see the class).
+            **kwargs: ``batch``, ``capacity``, ``max_tokens``, ``query_window`` (see the class).
         """
-        return cls(prepared.model, policy, cache_dtype=prepared.cache_dtype, compile=prepared.compile or False,
-                   **kwargs)
+        return cls(prepared.model, policy, setup=prepared.setup, **kwargs)
 
     @classmethod
     def for_prompts(
@@ -180,7 +187,8 @@ class Session:
         Args:
             prompts: Token ids per row (ragged).
             rows: Which rows of the cache they go to.
-            chunk: Tokens per prefill chunk (None: whole prompts).
+            chunk: Tokens per prefill chunk (None: the setup's ``prefill_chunk``; whole prompts when that is
+                None too).
 
         Returns:
             ``(len(prompts), vocab)`` float32 logits of each prompt's last token.
@@ -190,6 +198,7 @@ class Session:
         """
         rows = list(range(len(prompts))) if rows is None else list(rows)
         lengths = [len(p) for p in prompts]
+        chunk = self.setup.prefill_chunk if chunk is None else chunk
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"chunk={chunk!r} must be a positive int (tokens per prefill chunk) or None.")
         if chunk is None or max(lengths) <= chunk:

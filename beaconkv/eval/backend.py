@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from beaconkv.arguments import model_path
+from beaconkv.decode_setup import DecodeSetup
 from beaconkv.engine import Completion, Engine, Event, Request
 from beaconkv.models.decoder import CausalLM
 from beaconkv.models.loading import load_model, resolve_dtype
@@ -131,13 +132,11 @@ class GenerationBackend:
     Attributes:
         tokenizer: Has ``apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``
             and ``encode_prompt(text) -> list[int]`` (like :class:`beaconkv.tokenizer.Tokenizer`).
-        make_engine: ``make_engine(*, policy, max_batch, prompt_capacity, max_new_tokens,
-            kv_storage, compile, prefill_chunk)`` returning an :class:`EvalEngine` with ``max_batch`` slots for
+        make_engine: ``make_engine(*, policy, max_batch, prompt_capacity, max_new_tokens, setup)`` returning an :class:`EvalEngine` with ``max_batch`` slots for
             prompts of up to ``prompt_capacity`` tokens; its ``max_new_tokens`` may be lower than
             asked when the model has no room for more positions. ``policy`` is one policy object
-            (or ``None`` for FullKV) shared by every slot; ``kv_storage`` is ``"dense"`` or
-            ``"int8"``; ``compile`` compiles the decode step; ``prefill_chunk`` (an int or ``None``)
-            prefills longer prompts in chunks with evictions in between.
+            (or ``None`` for FullKV) shared by every slot; ``setup`` is the run's
+            :class:`~beaconkv.decode_setup.DecodeSetup` (storage, compile, chunked prefill).
     """
 
     tokenizer: Any
@@ -212,9 +211,7 @@ def make_core_engine(
     max_batch: int,
     prompt_capacity: int,
     max_new_tokens: int,
-    kv_storage: str | type[KVStorage] = "dense",
-    compile: bool = False,
-    prefill_chunk: int | None = None,
+    setup: DecodeSetup = DecodeSetup(),
 ) -> CoreEvalEngine:
     """Make the engine of a run with the core library (what :func:`load_backend`'s backend calls).
 
@@ -228,9 +225,7 @@ def make_core_engine(
         max_batch: Slots of the pool.
         prompt_capacity: Longest prompt of the run, in tokens.
         max_new_tokens: New tokens a request may generate.
-        kv_storage: ``"dense"``, ``"int8"`` or a storage class.
-        compile: Compile the decode step and the policy's device work.
-        prefill_chunk: Prefill longer prompts in chunks of this many tokens (None: whole prompts).
+        setup: The runtime options (storage, compile, chunked prefill, ...) of the run's engine.
 
     Returns:
         The engine.
@@ -260,9 +255,7 @@ def make_core_engine(
         max_batch=max_batch,
         prompt_capacity=prompt_capacity,
         max_new_tokens=max_new_tokens,
-        kv_storage=kv_storage,
-        compile=compile,
-        prefill_chunk=prefill_chunk,
+        setup=setup,
     )
 
 

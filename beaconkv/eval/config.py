@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from beaconkv.decode_setup import DecodeSetup
 from beaconkv.arguments import BACKENDS
 from beaconkv.eval.sandbox import SandboxLimits
 from beaconkv.models.loading import resolve_dtype
@@ -237,6 +238,10 @@ class EvalConfig:
         ``--sandbox``)."""
         return SandboxLimits(timeout_s=self.code_timeout_s, memory_mb=self.code_memory_mb,
                              containment=self.sandbox)  # type: ignore[arg-type]
+
+    def decode_setup(self) -> DecodeSetup:
+        """The run's runtime options as one :class:`~beaconkv.decode_setup.DecodeSetup` (what its engine takes)."""
+        return DecodeSetup(kv_storage=self.kv_storage, compile=self.compile, prefill_chunk=self.prefill_chunk)
 
     def settings(self) -> dict[str, Any]:
         """The settings that must match for a resume (stored in every record).

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..arguments import model_path
+from beaconkv.decode_setup import DecodeSetup
 from ..engine import Completion, Event, Request
 from ..hf.generation import generate_hf, load_hf_model
 from ..policies import EvictionPolicy
@@ -37,19 +38,18 @@ class HFEvalEngine:
         max_batch: Accepted for the interface; requests run one at a time.
         prompt_capacity: Longest prompt of the run (bounds ``max_new_tokens`` by the model's positions).
         max_new_tokens: Most new tokens a request may generate.
-        kv_storage: Only ``"dense"``.
-        compile: Only False (transformers' decode runs eagerly here).
-        prefill_chunk: Prefill prompts longer than this in chunks of this many tokens, the policy evicting between
-            chunks (``PolicyCache(..., prefill_chunk=)``); None: whole prompts.
+        setup: The run's :class:`~beaconkv.decode_setup.DecodeSetup`: dense storage and no compile only
+            (transformers' decode runs eagerly here); its ``prefill_chunk`` prefills longer prompts in chunks
+            (``PolicyCache(..., prefill_chunk=)``).
 
     Raises:
-        ValueError: ``kv_storage`` other than dense, ``compile``, or a prompt that leaves no position.
+        ValueError: A storage other than dense, ``compile``, or a prompt that leaves no position.
     """
 
     def __init__(self, model: Any, tokenizer: Tokenizer, *, policy: EvictionPolicy | None, max_batch: int,
-                 prompt_capacity: int, max_new_tokens: int, kv_storage: str = "dense", compile: bool = False,
-                 prefill_chunk: int | None = None) -> None:
-        if kv_storage != "dense" or compile:
+                 prompt_capacity: int, max_new_tokens: int, setup: DecodeSetup = DecodeSetup()) -> None:
+        prefill_chunk = setup.prefill_chunk
+        if setup.kv_storage != "dense" or setup.compile:
             raise ValueError("the transformers backend stores keys and values densely and decodes eagerly; "
                              "run it with kv_storage='dense' and compile=False (--kv-storage dense, no --compile).")
         limit = model.config.get_text_config(decoder=True).max_position_embeddings

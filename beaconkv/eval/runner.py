@@ -313,9 +313,7 @@ def _generate(
         max_batch=config.max_batch,
         prompt_capacity=max(len(p.ids) for p in prompts.values()),
         max_new_tokens=config.max_new_tokens,
-        kv_storage=config.kv_storage,
-        compile=config.compile,
-        prefill_chunk=config.prefill_chunk,
+        setup=config.decode_setup(),
     )
     sampling = SamplingParams(config.temperature, config.top_p, config.top_k)
     requests = [

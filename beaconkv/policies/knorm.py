@@ -17,7 +17,7 @@ from torch import Tensor
 from .base import EvictionPolicy
 from .config import check_number
 from .observer import ObservedLayer
-from .samplers import TIE_RTOL
+from .query_selection import TIE_RTOL
 from .scoring import merge_near_ties
 from .state import PolicyState
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .observer import ObservedLayer
 from .query_set import QuerySet
-from .samplers import QuerySampler
+from .query_selection import QuerySelector
 from .state import PolicyState
 
 
@@ -45,7 +45,7 @@ class BeaconSettings(Protocol):
 
     n_beacon: int
     n_recent: int
-    sampler: QuerySampler
+    sampler: QuerySelector
 
     @property
     def q_min(self) -> int: ...  # noqa: D102 - BeaconKV's B_min^Q

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .samplers import QuerySampler
+from .query_selection import QuerySelector
 
 
 @dataclass
@@ -79,7 +79,7 @@ class QuerySet:
         """Splits the leading axis (e.g. one set per layer, as views)."""
         return [QuerySet(q, p, v) for q, p, v in zip(self.q.unbind(0), self.pos.unbind(0), self.valid.unbind(0))]
 
-    def select(self, sampler: QuerySampler, k: int) -> QuerySet:
+    def select(self, sampler: QuerySelector, k: int) -> QuerySet:
         """Keeps ``k`` entries per head chosen by ``sampler`` over the valid ones (any leading axes)."""
         idx, ok = sampler.select(self.q, k, self.valid)  # (..., k)
         q = torch.gather(self.q, -2, idx.unsqueeze(-1).expand(*idx.shape, self.q.shape[-1]))

@@ -32,6 +32,7 @@ from ..arguments import (
     policy_from_args,
     positive_int,
 )
+from ..decode_setup import DecodeSetup
 from ..engine import Engine
 from ..errors import BeaconKVError
 from ..execution import CompileConfig
@@ -349,10 +350,10 @@ def run_serve(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         model = load_model(directory, dtype=dtype, device=device)
         tokenizer = load_tokenizer(directory)
+        setup = DecodeSetup(kv_storage=args.kv_storage, kernels=args.kernels, prefill_chunk=args.prefill_chunk,
+                            compile=CompileConfig() if args.compile else False)
         engine = Engine(model, tokenizer, policy=policy, max_batch=args.max_batch, prompt_capacity=capacity,
-                        max_new_tokens=args.max_new_tokens, kv_storage=args.kv_storage, kernels=args.kernels,
-                        prefill_chunk=args.prefill_chunk,
-                        compile=CompileConfig() if args.compile else False, max_queue=args.max_queue, seed=args.seed)
+                        max_new_tokens=args.max_new_tokens, setup=setup, max_queue=args.max_queue, seed=args.seed)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(f"beaconkv serve: loaded {path} ({model.config.model_type}, {str(dtype).removeprefix('torch.')}, "

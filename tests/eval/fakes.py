@@ -48,9 +48,8 @@ class _Running:
 class FakeEngine:
     """A pool of ``max_batch`` slots; every step admits waiting requests and gives each running one a token."""
 
-    def __init__(self, owner: FakeEngines, *, policy, max_batch, prompt_capacity, max_new_tokens, kv_storage,
-                 compile, prefill_chunk=None) -> None:  # fmt: skip
-        self.owner, self.policy, self.kv_storage = owner, policy, kv_storage
+    def __init__(self, owner: FakeEngines, *, policy, max_batch, prompt_capacity, max_new_tokens, setup) -> None:
+        self.owner, self.policy, self.kv_storage, self.setup = owner, policy, setup.kv_storage, setup
         self.max_batch, self.prompt_capacity, self.max_new_tokens = max_batch, prompt_capacity, max_new_tokens
         self.waiting: list[tuple[int, Request]] = []
         self.slots: list[_Running | None] = [None] * max_batch

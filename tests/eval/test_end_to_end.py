@@ -204,8 +204,7 @@ def test_cache_figures_match_the_engines_own_peak(single_run) -> None:
     _, backend, _ = single_run
     prompt = backend.tokenizer.encode_prompt("Count to twenty: one, two, three,")
     for policy in (None, make_policy("beacon", budget=16, n_prefix=4, n_recent=2)):
-        engine = backend.make_engine(policy=policy, max_batch=1, prompt_capacity=len(prompt), max_new_tokens=20,
-                                     kv_storage="dense", compile=False)  # fmt: skip
+        engine = backend.make_engine(policy=policy, max_batch=1, prompt_capacity=len(prompt), max_new_tokens=20)
         assert engine.slot_capacity == engine.cache_figures(engine.run([Request(prompt, 1)])[0]).capacity
         for new in (1, 5, 20):  # growing peaks: the engine's peak over all its requests is the latest one's
             (done,) = engine.run([Request(prompt, max_new_tokens=new, eos_token_ids=[])])
@@ -217,14 +216,11 @@ def test_cache_figures_match_the_engines_own_peak(single_run) -> None:
 def test_new_tokens_are_capped_to_the_models_positions(single_run) -> None:
     _, backend, _ = single_run
     policy = make_policy("beacon", budget=16, n_prefix=4, n_recent=2)
-    engine = backend.make_engine(policy=policy, max_batch=1, prompt_capacity=100, max_new_tokens=16, kv_storage="dense",
-                                 compile=False)  # fmt: skip
+    engine = backend.make_engine(policy=policy, max_batch=1, prompt_capacity=100, max_new_tokens=16)
     positions = engine.model.config.max_position_embeddings
     assert engine.max_new_tokens == 16  # room enough: as asked
     with pytest.warns(UserWarning, match=rf"max_new_tokens={10**7} capped to {positions - 100}"):
-        engine = backend.make_engine(policy=policy, max_batch=1, prompt_capacity=100, max_new_tokens=10**7,
-                                     kv_storage="dense", compile=False)  # fmt: skip
+        engine = backend.make_engine(policy=policy, max_batch=1, prompt_capacity=100, max_new_tokens=10**7)
     assert engine.max_new_tokens == positions - 100
     with pytest.raises(ValueError, match=f"the longest prompt has {positions} tokens.*no room for a new token"):
-        backend.make_engine(policy=policy, max_batch=1, prompt_capacity=positions, max_new_tokens=8, kv_storage="dense",
-                            compile=False)  # fmt: skip
+        backend.make_engine(policy=policy, max_batch=1, prompt_capacity=positions, max_new_tokens=8)

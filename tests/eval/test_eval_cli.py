@@ -210,9 +210,9 @@ def test_kv_storage_defaults_to_dense(tmp_path) -> None:
 def test_max_batch_and_compile_reach_the_engine_and_are_no_resume_setting(tmp_path, capsys, fake_model) -> None:
     data = write_problems(tmp_path / "p.jsonl", PROBLEMS[:2])
     assert main(eval_args(tmp_path / "out", "--samples", "2", data=data)) == 0
-    assert [(e["max_batch"], e["compile"]) for e in fake_model.engines] == [(8, False)]  # the defaults
+    assert [(e["max_batch"], e["setup"].compile) for e in fake_model.engines] == [(8, False)]  # the defaults
     assert main(eval_args(tmp_path / "out", "--samples", "3", "--max-batch", "3", "--compile", data=data)) == 0
-    assert [(e["max_batch"], e["compile"]) for e in fake_model.engines[1:]] == [(3, True)]
+    assert [(e["max_batch"], e["setup"].compile) for e in fake_model.engines[1:]] == [(3, True)]
     assert len(fake_model.calls) == 6  # the second run resumed the first: it made only samples 2
     records = read(tmp_path / "out" / "aime24__full.jsonl")
     assert len(records) == 6 and all("max_batch" not in r["settings"] and "compile" not in r["settings"] for r in records)

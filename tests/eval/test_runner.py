@@ -56,7 +56,7 @@ def test_records_and_summary(tmp_path: Path) -> None:
     assert first["budget"] is None and first["finish_reason"] == "length" and len(first["token_ids"]) == 4
     # every sample is one request of ONE engine of max_batch slots, with its own seed
     (engine,) = gen.engines
-    assert engine["max_batch"] == 8 and engine["max_new_tokens"] == 4 and engine["compile"] is False
+    assert engine["max_batch"] == 8 and engine["max_new_tokens"] == 4 and engine["setup"].compile is False
     assert engine["prompt_capacity"] == max(r["prompt_tokens"] for r in records)
     assert len(gen.calls) == 9 and sorted(c["seed"] for c in gen.calls) == sorted(r["seed"] for r in records)
     assert all(r["seed"] == derive_seed("sample", 0, r["problem_id"], r["sample_idx"]) for r in records)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from beaconkv.decode_setup import DecodeSetup
 import torch
 
 from beaconkv.engine import Request
@@ -58,7 +60,8 @@ def test_the_hf_engine_runs_requests_one_at_a_time_and_reports_its_cache(tiny_ch
 def test_the_hf_engine_prefills_in_chunks_and_reports_the_bounded_cache(tiny_checkpoint):
     backend = load_hf_backend(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
     policy = SnapKV(16, n_recent=2, n_prefix=2)
-    engine = backend.make_engine(policy=policy, max_batch=1, prompt_capacity=80, max_new_tokens=20, prefill_chunk=8)
+    engine = backend.make_engine(policy=policy, max_batch=1, prompt_capacity=80, max_new_tokens=20,
+                                 setup=DecodeSetup(prefill_chunk=8))
     prompt = list(range(3, 83))
     (done,) = run_requests(engine, [Request(prompt, max_new_tokens=20, eos_token_ids=[])])
     figures = engine.cache_figures(done)
