@@ -214,7 +214,8 @@ class TensorParallelRun:
         try:
             yield
         except Exception as err:
-            failure = self._rank_failure()
+            # a collective that failed: wait a moment for the rank that caused it to be seen ending
+            failure = self._rank_failure(5.0 if _group_broken(err) else 0.0)
             if failure is not None:
                 self._stop()
                 raise TensorParallelError(f"tensor parallelism stopped while {doing}: {failure}") from err

@@ -76,3 +76,18 @@ def test_an_idle_group_outlives_the_collectives_timeout(tp_checkpoints):
             done = engine.run([Request(p, 6) for p in PROMPTS])  # one slot: the second request waits for the first
         assert [c.token_ids for c in done] == first.token_ids
     torch.set_num_threads(threads)
+
+
+def test_rank_zero_refusals_leave_the_run_usable(tp_checkpoints):
+    """A setting tensor parallelism refuses fails on rank 0 before anything is sent: at once, and the run goes on."""
+    threads = torch.get_num_threads()
+    with TensorParallelRun(tp_checkpoints["qwen3"], 2, timeout_s=TIMEOUT_S, threads=1) as run:
+        for kwargs, message in ((dict(compile=True), "compile is not supported with tensor parallelism"),
+                                (dict(kernels="packed"), "kernels='packed' replaces the shard's linear layers"),
+                                (dict(policy=beaconkv.TOVA(16, group_reduce="all_heads")), "averages scores over")):
+            t0 = time.monotonic()
+            with pytest.raises(TensorParallelError, match=message):
+                run.generate(None, PROMPTS, max_new_tokens=4, **kwargs)
+            assert time.monotonic() - t0 < 2.0
+        assert len(run.generate(None, PROMPTS, max_new_tokens=4).token_ids) == 2
+    torch.set_num_threads(threads)
