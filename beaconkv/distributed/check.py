@@ -99,8 +99,9 @@ def run_check(device: str, ranks: int, log: Callable[[str], None] = print) -> bo
             for name, make in policies.items():
                 got = run.generate(None, prompts, max_new_tokens=96, policy=make())
                 same_tokens = got.token_ids == want[name].token_ids
+                pairs = list(zip(got.telemetry, want[name].telemetry))
                 same_kept = len(got.telemetry) == len(want[name].telemetry) and all(
-                    torch.equal(a.kept_positions, b.kept_positions) for a, b in zip(got.telemetry, want[name].telemetry))
+                    torch.equal(a.kept_positions, b.kept_positions) for a, b in pairs)
                 ok &= same_tokens and same_kept
                 log(f"  {name}: tokens {'equal' if same_tokens else 'DIFFER'}, kept positions "
                     f"{'equal' if same_kept else 'DIFFER'} over {len(got.telemetry)} layer evictions, "

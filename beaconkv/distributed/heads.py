@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from torch import Tensor
 

@@ -1,4 +1,5 @@
-"""The sharded layers of a tensor-parallel rank, and the factories that put them into :func:`~beaconkv.models.build_model`.
+"""The sharded layers of a tensor-parallel rank, and the factories that put them into
+:func:`~beaconkv.models.build_model`.
 
 A rank's model is the ordinary :class:`~beaconkv.models.CausalLM` built from its local config
 (:meth:`~beaconkv.distributed.plan.ShardPlan.local_config`): ``q_proj``/``k_proj``/``v_proj``,

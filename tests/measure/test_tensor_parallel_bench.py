@@ -20,8 +20,8 @@ def test_tp_section_rows_and_table(tiny_models):
     section = run_tp_section(args, path, torch.device("cpu"), lambda msg: None)
     assert torch.get_num_threads() == threads
     rows = section["rows"]
-    assert [r["setup"] for r in rows] == ["1 rank x 2 threads", "1 rank x 1 thread", "2 ranks x 1 thread, vocab-parallel",
-                                          "2 ranks x 1 thread, vocab replicated"]
+    assert [r["setup"] for r in rows] == ["1 rank x 2 threads", "1 rank x 1 thread",
+                                          "2 ranks x 1 thread, vocab-parallel", "2 ranks x 1 thread, vocab replicated"]
     assert all(r["batch"] == 2 for r in rows)
     assert all(r["same_tokens"] and r["tokens_per_s"] > 0 for r in rows)
     one, split, replicated = rows[0], rows[2], rows[3]

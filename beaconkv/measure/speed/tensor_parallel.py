@@ -3,10 +3,11 @@
 The same decode (BeaconKV at the bench's budget, greedy, eager) runs four ways on this machine's cores:
 one process with ``tp_ranks`` threads, one process with one thread (how much the threads bring), and
 ``tp_ranks`` ranks of one thread each (:class:`~beaconkv.distributed.launch.TensorParallelRun`, gloo)
-with the embedding and LM head split by vocabulary rows, then replicated. Each row reports decode tokens per second (compilation and prefill
-excluded, :attr:`~beaconkv.generation.GenerationStats.tokens_per_s`), milliseconds per step, and what one
-rank holds: its KV cache (the fullest rank's, when the KV heads split unevenly) and its weights. The
-tokens are checked equal to the single process's, so a row never times a wrong run.
+with the embedding and LM head split by vocabulary rows, then replicated. Each row reports decode tokens
+per second (compilation and prefill excluded, :attr:`~beaconkv.generation.GenerationStats.tokens_per_s`),
+milliseconds per step, and what one rank holds: its KV cache (the fullest rank's, when the KV heads split
+unevenly) and its weights. The tokens are checked equal to the single process's, so a row never times a
+wrong run.
 
 On a CPU the ranks share the memory bandwidth one process already uses, and each layer adds two
 all-reduces, so tensor parallelism is expected to lose there; the section measures by how much, and what
@@ -155,6 +156,7 @@ def markdown_tp(section: dict[str, Any]) -> str:
              "| setup | batch | tokens/s | ms/step | KV MiB per rank | weights MiB per rank | same tokens |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for r in section["rows"]:
+        same = "yes" if r["same_tokens"] else "NO"
         lines.append(f"| {r['setup']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.1f} | "
-                     f"{r['kv_mib_per_rank']:.2f} | {r['weight_mib_per_rank']:.1f} | {'yes' if r['same_tokens'] else 'NO'} |")
+                     f"{r['kv_mib_per_rank']:.2f} | {r['weight_mib_per_rank']:.1f} | {same} |")
     return "\n".join(lines)
