@@ -43,11 +43,30 @@ def _decode_layer(layer: nn.Module, x: Tensor, positions: Tensor, cos: Tensor, s
 
 
 _nested_region = getattr(torch.compiler, "nested_compile_region", None)
-decode_layer_region = _nested_region(_decode_layer) if _nested_region is not None else _decode_layer
-"""One decoder layer of a decode step, as a nested compile region: called eagerly it is the layer itself;
-inside a compiled step dynamo traces it once and every layer's call reuses that region (same code, same
-shapes, the layer's weights and cache as its inputs), so a whole-step graph compiles about as fast as one
-layer (:attr:`~beaconkv.execution.CompileConfig.regions`)."""
+_layer_region = _nested_region(_decode_layer) if _nested_region is not None else _decode_layer
+
+
+def decode_layer_region(layer: nn.Module, x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: Any,
+                        observer: LayerObserver | None) -> Tensor:
+    """One decoder layer of a decode step, as a nested compile region.
+
+    Called eagerly it is the layer itself; inside a compiled step dynamo traces it once and every layer's
+    call reuses that region (same code, same shapes, the layer's weights and cache as its inputs), so a
+    whole-step graph compiles about as fast as one layer (:attr:`~beaconkv.execution.CompileConfig.regions`).
+
+    Args:
+        layer: The decoder layer.
+        x: Its input hidden states ``(batch, 1, hidden)``.
+        positions: The rows' positions ``(batch, 1)``.
+        cos: The rotary cosines of the positions.
+        sin: The rotary sines of the positions.
+        cache: The layer's KV cache.
+        observer: The layer's observer (None: nobody observes it).
+
+    Returns:
+        The layer's output hidden states.
+    """
+    return _layer_region(layer, x, positions, cos, sin, cache, observer)
 
 
 def _hidden(model: CausalLM, cache: Any, observers: Observers, tokens: Tensor, positions: Tensor,
@@ -108,9 +127,9 @@ def last_logits(model: CausalLM, x: Tensor) -> Tensor:
     return model.decode_logits(x)
 
 
-#: Every function a decode step hands its executor, in any shape.
 DECODE_FUNCTIONS: tuple[Callable[..., Any], ...] = (decode_and_sample, decode_logits, decode_inputs, decode_layers,
                                                     sample_logits, last_logits)
+"""Every function a decode step hands its executor, in any shape (measurement tools count their calls)."""
 
 
 class DecodeStep:

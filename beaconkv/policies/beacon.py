@@ -249,17 +249,8 @@ class BeaconKV(EvictionPolicy):
 
     # ------------------------------------------------------------------------------- schedule
     def on_prefill(self, state: PolicyState, rows: list[int]) -> None:
-        for b, L in zip(rows, (state.t[b] + 1 for b in rows)):
-            state.obs_count[b] = self.lifecycle.prefill_count(self, L)
-            state.obs_since[b] = state.t[b]
-            state.phase[b] = Phase.ACCUMULATE
-        rows_t = state.index(rows)
-        state.obs_since_dev[rows_t] = state.t_dev[rows_t]
-        if self.static_beacons:
-            self.freeze(state, rows)
-            for b in rows:
-                state.phase[b] = Phase.STATIC
-        else:
+        if not self._accumulate_from_now(state, rows, [self.lifecycle.prefill_count(self, state.t[b] + 1)
+                                                       for b in rows]):
             # a prompt may already be past the freeze point (int n_prefix): freeze before any eviction
             self.on_count_change(state, rows)
 
@@ -273,16 +264,22 @@ class BeaconKV(EvictionPolicy):
         if frozen:
             self.lifecycle.unfreeze(self, state, frozen, state.index(frozen))
             state.beacons.clear(state.index(frozen))
-        for b, n in zip(rows, n_new):
-            state.obs_count[b] = self.lifecycle.chunk_count(self, state.obs_count[b], n)
-            state.obs_since[b] = state.t[b]
-            state.phase[b] = Phase.ACCUMULATE
+        self._accumulate_from_now(state, rows, [self.lifecycle.chunk_count(self, state.obs_count[b], n)
+                                                for b, n in zip(rows, n_new)])
+
+    def _accumulate_from_now(self, state: PolicyState, rows: list[int], counts: list[int]) -> bool:
+        """Rows whose observation set now holds ``counts`` queries, none pending, accumulate again; static
+        beacons (Initial+Recent) are sampled again from it instead. Returns whether they were (static)."""
+        for b, count in zip(rows, counts):
+            state.obs_count[b], state.obs_since[b], state.phase[b] = count, state.t[b], Phase.ACCUMULATE
         rows_t = state.index(rows)
         state.obs_since_dev[rows_t] = state.t_dev[rows_t]
-        if self.static_beacons:
-            self.freeze(state, rows)
-            for b in rows:
-                state.phase[b] = Phase.STATIC
+        if not self.static_beacons:
+            return False
+        self.freeze(state, rows)
+        for b in rows:
+            state.phase[b] = Phase.STATIC
+        return True
 
     def on_decode_step(self, state: PolicyState, rows: list[int]) -> None:
         due = self.lifecycle.compress_due(self, state, rows)

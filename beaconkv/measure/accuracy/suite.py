@@ -149,18 +149,11 @@ def cells_of(config: SuiteConfig) -> list[Cell]:
         for length in lengths:
             for protocol in protocols:
                 tokens = cell_tokens(task, length)
-                for name in config.policies:
-                    if name == "full":
-                        cells.append(Cell("beaconkv", task, length, protocol, name, None, None))
-                        continue
-                    for c in config.compressions:
-                        cells.append(Cell("beaconkv", task, length, protocol, name, _budget(tokens, c), c))
-                for press in config.compare:
-                    if press == "none":
-                        cells.append(Cell("kvpress", task, length, protocol, press, None, None))
-                        continue
-                    for c in config.compressions:
-                        cells.append(Cell("kvpress", task, length, protocol, press, _budget(tokens, c), c))
+                for engine, names, reference in (("beaconkv", config.policies, "full"), ("kvpress", config.compare, "none")):
+                    for name in names:  # the reference (no compression) once; the others at every compression
+                        budgets = [(None, None)] if name == reference else [(_budget(tokens, c), c)
+                                                                             for c in config.compressions]
+                        cells.extend(Cell(engine, task, length, protocol, name, b, c) for b, c in budgets)
     return cells
 
 
