@@ -18,6 +18,8 @@ Modules, each with one job:
 * :mod:`~beaconkv.serve.responses` — response objects, stream chunks, SSE framing, sliced JSON;
 * :mod:`~beaconkv.serve.errors` — OpenAI-style error bodies;
 * :mod:`~beaconkv.serve.worker` — the engine thread and the bridge to asyncio;
+* :mod:`~beaconkv.serve.hf_engine` — ``--backend hf``: the engine over a transformers model, each request's cache
+  a :class:`~beaconkv.hf.PolicyCache`;
 * :mod:`~beaconkv.serve.metrics` — counters and the Prometheus text format;
 * :mod:`~beaconkv.serve.app` — the FastAPI routes;
 * :mod:`~beaconkv.serve.server` — uvicorn, and a Ctrl-C that stops the engine and prepare threads first.

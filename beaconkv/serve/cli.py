@@ -16,10 +16,12 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..arguments import (
+    add_backend_argument,
     add_kernels_argument,
     add_prefill_chunk_argument,
     add_kv_storage_argument,
@@ -56,6 +58,10 @@ from .limits import (
     RequestLimits,
 )
 from .special_tokens import SPECIAL_TOKEN_MODES
+
+if TYPE_CHECKING:
+    from ..policies import EvictionPolicy
+    from .hf_engine import HFEngine
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 """``--log-level`` choices (uvicorn's)."""
@@ -110,9 +116,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         The same parser.
     """
     parser.description = ("An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, "
-                          "/health, /metrics) over the continuous-batching engine.")
+                          "/health, /metrics) over the continuous-batching engine (or, with --backend hf, over a "
+                          "transformers model whose cache is a beaconkv.hf.PolicyCache).")
     m = parser.add_argument_group("model")
     add_model_arguments(m)
+    add_backend_argument(m)
     m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names requests may use as 'model' (default: the --model directory's name, the hub id, "
                         "or 'embedded')")
@@ -295,12 +303,45 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _check_limits(args: argparse.Namespace, directory: Path, capacity: int) -> None:
-    limit = ModelConfig.from_file(directory).max_position_embeddings
+    if args.backend == "hf":  # any transformers decoder: its own config names the positions
+        from transformers import AutoConfig
+
+        limit = AutoConfig.from_pretrained(directory).get_text_config(decoder=True).max_position_embeddings
+    else:
+        limit = ModelConfig.from_file(directory).max_position_embeddings
     if capacity + args.max_new_tokens > limit:
         given = (f"--max-model-len {args.max_model_len}" if args.max_model_len is not None
                  else f"--prompt-capacity {capacity} + --max-new-tokens {args.max_new_tokens}")
         raise ServeError(f"{given} = {capacity + args.max_new_tokens} tokens exceeds the model's "
                          f"max_position_embeddings={limit}; lower it.")
+
+
+def _load_engine(args: argparse.Namespace, directory: Path, policy: EvictionPolicy, capacity: int,
+                 device: torch.device, dtype: torch.dtype) -> tuple[Engine | HFEngine, str]:
+    """The engine ``--backend`` names over the loaded checkpoint, and how the banner names the model."""
+    tokenizer = load_tokenizer(directory)
+    sizes = dict(policy=policy, max_batch=args.max_batch, prompt_capacity=capacity,
+                 max_new_tokens=args.max_new_tokens, max_queue=args.max_queue, seed=args.seed)
+    if args.backend == "hf":
+        from ..hf.generation import load_hf_model
+        from .hf_engine import HFEngine
+
+        model = load_hf_model(str(directory), dtype=dtype, device=str(device))
+        engine = HFEngine(model, tokenizer, prefill_chunk=args.prefill_chunk, **sizes)
+        return engine, f"transformers {type(model).__name__}, {model.config._attn_implementation}"
+    model = load_model(directory, dtype=dtype, device=device)
+    setup = DecodeSetup(kv_storage=args.kv_storage, kernels=args.kernels, prefill_chunk=args.prefill_chunk,
+                        compile=CompileConfig() if args.compile else False)
+    return Engine(model, tokenizer, setup=setup, **sizes), model.config.model_type
+
+
+def _slots_text(args: argparse.Namespace, engine: Engine | HFEngine) -> str:
+    """The banner's words for the engine's places and cache."""
+    if args.backend == "hf":
+        return (f"{args.max_batch} requests at once (one forward each per step), each cache up to "
+                f"{engine.slot_capacity} tokens per KV head of a full-attention layer")
+    return (f"{args.max_batch} slots of {engine.slot_capacity} tokens ({engine.cache_bytes / 2**20:.0f} MiB, "
+            f"{args.kv_storage})")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -319,10 +360,16 @@ def run_serve(args: argparse.Namespace) -> int:
         ServeError: Limits beyond the model's positions, ``--max-model-len`` with ``--prompt-capacity``,
             ``--max-batch`` below 1, a busy port, an empty name, a ``--max-connections`` beyond the file limit,
             or fastapi and uvicorn missing.
+        beaconkv.hf.generation.HFBackendError: ``--backend hf`` with ``--compile``, a storage other than dense or
+            kernels other than ``auto``.
         ValueError: An unknown dtype or an unavailable device.
         FileNotFoundError: No such checkpoint.
     """
     policy = policy_from_args(args)
+    if args.backend == "hf":
+        from ..hf.generation import check_hf_options
+
+        check_hf_options(args.compile, args.kv_storage, args.kernels)
     if args.max_batch < 1:
         raise ServeError(f"max_batch={args.max_batch} must be >= 1; pass --max-batch N (vLLM: --max-num-seqs) "
                          "with N >= 1.")
@@ -348,22 +395,15 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         t0 = time.perf_counter()
-        model = load_model(directory, dtype=dtype, device=device)
-        tokenizer = load_tokenizer(directory)
-        setup = DecodeSetup(kv_storage=args.kv_storage, kernels=args.kernels, prefill_chunk=args.prefill_chunk,
-                            compile=CompileConfig() if args.compile else False)
-        engine = Engine(model, tokenizer, policy=policy, max_batch=args.max_batch, prompt_capacity=capacity,
-                        max_new_tokens=args.max_new_tokens, setup=setup, max_queue=args.max_queue, seed=args.seed)
+        engine, loaded = _load_engine(args, directory, policy, capacity, device, dtype)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        print(f"beaconkv serve: loaded {path} ({model.config.model_type}, {str(dtype).removeprefix('torch.')}, "
-              f"{device}) in "
-              f"{time.perf_counter() - t0:.1f}s; {args.max_batch} slots of {engine.slot_capacity} tokens "
-              f"({engine.cache_bytes / 2**20:.0f} MiB, {args.kv_storage}), {policy!r}", file=sys.stderr)
+        print(f"beaconkv serve: loaded {path} ({loaded}, {str(dtype).removeprefix('torch.')}, {device}) in "
+              f"{time.perf_counter() - t0:.1f}s; {_slots_text(args, engine)}, {policy!r}", file=sys.stderr)
         banner = (f"beaconkv serve: serving {', '.join(names)} at http://{shown}:{port}/v1 "
                   f"(prompts up to {capacity} tokens, up to {args.max_new_tokens} new tokens; Host names "
                   f"{', '.join(hosts)}; Ctrl-C stops)")
-        return server.serve(engine, tokenizer, names, sock, threads=args.threads, log_level=args.log_level,
+        return server.serve(engine, engine.tokenizer, names, sock, threads=args.threads, log_level=args.log_level,
                             banner=banner, limits=limits, connections=connections, allowed_hosts=hosts,
                             special_tokens=args.special_tokens_in_content)
     finally:
