@@ -263,7 +263,7 @@ def test_code_records_and_the_summary_state_the_sandbox_containment(tmp_path: Pa
 
 
 def test_a_code_run_refuses_before_generating_where_the_sandbox_cannot_start(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(sandbox, "_namespace_probe", lambda: (False, "unshare: Operation not permitted"))
+    monkeypatch.setattr(sandbox.runner, "_namespace_probe", lambda: (False, "unshare: Operation not permitted"))
     gen = FakeEngines()
     with pytest.raises(SandboxUnavailable, match="Operation not permitted.*--sandbox rlimits"):
         run_eval(config(tmp_path, benchmark="livecodebench"), backend=GenerationBackend(Tok(), gen),

@@ -93,13 +93,13 @@ def processes_with(marker: str) -> list[int]:
 @pytest.fixture
 def single_id_map(request, monkeypatch) -> str:
     """Run as root would (program as an unprivileged host uid) or as an unprivileged grader would."""
-    monkeypatch.setattr(sandbox, "_FORCE_SINGLE_ID_MAP", request.param == "single")
+    monkeypatch.setattr(sandbox.runner, "_FORCE_SINGLE_ID_MAP", request.param == "single")
     return request.param
 
 
 @needs_namespaces
 def test_the_namespace_sandbox_starts_wherever_user_namespaces_work() -> None:
-    works, why = sandbox._namespace_probe()
+    works, why = sandbox.runner._namespace_probe()
     assert works and namespace_sandbox_available(), f"the kernel creates user namespaces but the sandbox failed: {why}"
 
 
@@ -128,7 +128,7 @@ print("grader alive:", result.status, result.containment, result.stdout.strip().
 
 
 def run_driver(python: str, code: str, directory: Path) -> str:
-    """Runs ``code`` through a grader in a separate process (``sandbox.py`` loaded by path, no torch)."""
+    """Runs ``code`` through a grader in a separate process (the sandbox package loaded by path, no torch)."""
     driver = directory / "driver.py"
     driver.write_text(DRIVER)
     done = subprocess.run([python, "-I", str(driver), sandbox.__file__, code],
@@ -409,7 +409,7 @@ def test_the_fallback_runs_only_when_asked_for_and_says_so(monkeypatch) -> None:
     rlimits = SandboxLimits(containment="rlimits")
     assert grade_code(fenced(code), (CodeTest("", "45\n"),), limits=rlimits).containment == "rlimits-only"
     # Where namespaces do not work, the default refuses to run, naming the reason and the opt-in.
-    monkeypatch.setattr(sandbox, "_namespace_probe", lambda: (False, "user namespaces disabled"))
+    monkeypatch.setattr(sandbox.runner, "_namespace_probe", lambda: (False, "user namespaces disabled"))
     assert not sandbox.namespace_sandbox_available()
     reason = "user namespaces disabled.*containment='rlimits'.*--sandbox rlimits"
     for attempt in (lambda: run_python({"main.py": code}, "main.py"), lambda: sandbox.check_containment()):
@@ -470,7 +470,7 @@ def test_every_bind_source_is_resolved_and_none_is_or_holds_the_links_home(tmp_p
     link = home / "bin" / "python"
     link.symlink_to(os.path.realpath(sys.executable))
     monkeypatch.setattr(sys, "executable", str(link))
-    mounts, executable = sandbox._mount_plan()
+    mounts, executable = sandbox.mounts._mount_plan()
     binds = [(source, target) for kind, source, target in mounts if kind != "symlink"]
     assert binds and all(os.path.realpath(source) == source for source, _ in binds), binds
     assert not any(str(home) == source or str(home).startswith(source + "/") for source, _ in binds), binds
@@ -492,15 +492,15 @@ def test_the_interpreter_path_must_resolve_through_shown_folders_only(tmp_path: 
     (shown / "bin" / "out").symlink_to(hidden / "python3.x")  # a hop through a folder not shown
     (shown / "bin" / "loop").symlink_to("loop")
     trees = [str(shown)]
-    assert sandbox._resolves_inside(str(shown / "bin" / "python"), trees, {})
-    assert not sandbox._resolves_inside(str(shown / "bin" / "out"), trees, {})
-    assert sandbox._resolves_inside(str(shown / "bin" / "out"), [*trees, str(hidden)], {})
-    assert not sandbox._resolves_inside(str(shown / "bin" / "loop"), trees, {})
-    assert not sandbox._resolves_inside(str(shown / "bin"), trees, {})  # a folder is not a binary
+    assert sandbox.mounts._resolves_inside(str(shown / "bin" / "python"), trees, {})
+    assert not sandbox.mounts._resolves_inside(str(shown / "bin" / "out"), trees, {})
+    assert sandbox.mounts._resolves_inside(str(shown / "bin" / "out"), [*trees, str(hidden)], {})
+    assert not sandbox.mounts._resolves_inside(str(shown / "bin" / "loop"), trees, {})
+    assert not sandbox.mounts._resolves_inside(str(shown / "bin"), trees, {})  # a folder is not a binary
     # a top-level link the root recreates ("/bin -> usr/bin") resolves like the host's
     alias = f"/beaconkv-test-alias-{uuid.uuid4().hex}"
-    assert sandbox._resolves_inside(alias + "/python", trees, {alias: str(shown / "bin")})
-    assert not sandbox._resolves_inside(alias + "/python", trees, {})
+    assert sandbox.mounts._resolves_inside(alias + "/python", trees, {alias: str(shown / "bin")})
+    assert not sandbox.mounts._resolves_inside(alias + "/python", trees, {})
 
 
 def test_an_installation_that_is_a_home_directory_is_refused(tmp_path: Path, monkeypatch) -> None:
@@ -508,15 +508,15 @@ def test_an_installation_that_is_a_home_directory_is_refused(tmp_path: Path, mon
     (home / "bin").mkdir(parents=True)
     binary = home / "bin" / "python3"  # as `./configure --prefix=$HOME && make install` would put it
     binary.write_bytes(b"")
-    assert sandbox._refused_root("/") == "the root of the file system"
+    assert sandbox.mounts._refused_root("/") == "the root of the file system"
     temporary = os.path.realpath(tempfile.gettempdir())
-    assert sandbox._refused_root(temporary) == f"the temporary folder {temporary!r}"
+    assert sandbox.mounts._refused_root(temporary) == f"the temporary folder {temporary!r}"
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setattr(sys, "executable", str(binary))
     with pytest.raises(SandboxUnavailable, match=f"installation '{home}'.*is the home directory '{home}'"):
-        sandbox._mount_plan()
-    assert sandbox._refused_root(str(tmp_path)).startswith("a folder holding the home directory")
-    assert sandbox._refused_root(str(home / "opt" / "python")) == ""  # below a home is fine (~/.pyenv/...)
+        sandbox.mounts._mount_plan()
+    assert sandbox.mounts._refused_root(str(tmp_path)).startswith("a folder holding the home directory")
+    assert sandbox.mounts._refused_root(str(home / "opt" / "python")) == ""  # below a home is fine (~/.pyenv/...)
 
 
 def test_etc_and_dev_links_show_nothing_outside_their_folder(tmp_path: Path) -> None:
@@ -533,7 +533,7 @@ def test_etc_and_dev_links_show_nothing_outside_their_folder(tmp_path: Path) -> 
     (etc / "alias").symlink_to(etc / "plain.conf")  # inside the folder: bound from where it resolves
     (etc / "dangling").symlink_to(tmp_path / "nothing")
     names = ("plain.conf", "localtime", "ld.so.cache", "alias", "dangling", "absent")
-    plan = sandbox._host_files(str(etc), names, [str(tmp_path / "usr")])
+    plan = sandbox.mounts._host_files(str(etc), names, [str(tmp_path / "usr")])
     assert plan == [
         ["bind", str(etc / "plain.conf"), str(etc / "plain.conf")],
         ["symlink", str(etc / "localtime"), str(shown / "UTC")],
@@ -543,8 +543,8 @@ def test_etc_and_dev_links_show_nothing_outside_their_folder(tmp_path: Path) -> 
     dev.mkdir()
     (dev / "null").symlink_to("/dev/null")  # a character device, but not in this folder
     (dev / "zero").write_text("a regular file")
-    assert sandbox._host_files(str(dev), ("null", "zero"), [], devices=True) == []
-    assert sandbox._host_files("/dev", ("null",), [], devices=True) == [["device", "/dev/null", "/dev/null"]]
+    assert sandbox.mounts._host_files(str(dev), ("null", "zero"), [], devices=True) == []
+    assert sandbox.mounts._host_files("/dev", ("null",), [], devices=True) == [["device", "/dev/null", "/dev/null"]]
 
 
 def test_the_working_folder_copy_refuses_symlinks(tmp_path: Path, monkeypatch) -> None:
@@ -555,15 +555,15 @@ def test_the_working_folder_copy_refuses_symlinks(tmp_path: Path, monkeypatch) -
     target.mkdir()
     (source / "main.py").write_text("print(1)")
     (source / "pkg" / "mod.py").write_text("x = 1")
-    monkeypatch.setattr(sandbox.os, "chown", lambda *args: None)  # the owner is the box's, not ours
-    sandbox._copy_tree(str(source), str(target), 0)
+    monkeypatch.setattr(sandbox.mounts.os, "chown", lambda *args: None)  # the owner is the box's, not ours
+    sandbox.mounts._copy_tree(str(source), str(target), 0)
     assert (target / "main.py").read_text() == "print(1)" and (target / "pkg" / "mod.py").read_text() == "x = 1"
     for name, make in (("leak.txt", lambda p: p.symlink_to(secret)), ("leakdir", lambda p: p.symlink_to(tmp_path))):
         shutil.rmtree(target)
         target.mkdir()
         make(source / "pkg" / name)
         with pytest.raises(OSError, match=f"{name}' is neither a regular file nor a folder"):
-            sandbox._copy_tree(str(source), str(target), 0)
+            sandbox.mounts._copy_tree(str(source), str(target), 0)
         assert not (target / "pkg" / name).exists()
         (source / "pkg" / name).unlink()
 
@@ -655,7 +655,7 @@ def test_reading_back_stdout_holds_no_more_than_its_size(tmp_path: Path) -> None
     stdout.write_bytes(b"1\n" * (2 << 20))  # 4 MiB of short lines
     tracemalloc.start()
     try:
-        text, limited = sandbox._read_capped(stdout, 64 << 20)
+        text, limited = sandbox.runner._read_capped(stdout, 64 << 20)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -667,11 +667,11 @@ def test_reading_back_stdout_holds_no_more_than_its_size(tmp_path: Path) -> None
 def test_stderr_is_read_back_as_its_last_mib(tmp_path: Path) -> None:
     stderr = tmp_path / "stderr"
     stderr.write_bytes("é".encode() * (1 << 20) + b"x" + b"Traceback: the end\n")
-    text, limited = sandbox._read_tail(stderr, 64 << 20)
+    text, limited = sandbox.runner._read_tail(stderr, 64 << 20)
     assert not limited and text.endswith("x" + "Traceback: the end\n")
     assert len(text.encode()) <= 1 << 20 and "\ufffd" not in text  # cut between characters, not inside one
     stderr.write_bytes(b"short\n")
-    assert sandbox._read_tail(stderr, 6) == ("short\n", True)
+    assert sandbox.runner._read_tail(stderr, 6) == ("short\n", True)
 
 
 @needs_namespaces
