@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from beaconkv.cli import main
-from beaconkv.eval import results, runner
+from beaconkv.eval import jsonl, runner
 from beaconkv.eval.backend import GenerationBackend
 from beaconkv.eval.config import EvalConfig
 from beaconkv.eval.errors import DatasetFormatError, ResultsFileError
@@ -389,12 +389,12 @@ def test_the_tail_scan_reads_each_byte_of_a_long_torn_line_once(newline: bytes) 
     tail = b'{"benchmark": "b", "text": "' + b"x" * (8 << 20) + newline
     body = record(1) + tail
     f = CountingReader(body)
-    assert results._torn_tail_start(f, len(body)) == len(record(1))
-    assert f.read_bytes <= 2 * len(tail) + 2 * results._BLOCK, f.read_bytes
+    assert jsonl._torn_tail_start(f, len(body)) == len(record(1))
+    assert f.read_bytes <= 2 * len(tail) + 2 * jsonl._BLOCK, f.read_bytes
 
 
 def test_a_line_longer_than_any_record_is_torn_and_never_held(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(results, "MAX_RECORD_BYTES", 1000)
+    monkeypatch.setattr(jsonl, "MAX_RECORD_BYTES", 1000)
     path = tmp_path / "r.jsonl"
     path.write_bytes(record(1) + b"[" * 5000 + b"\n")
     with pytest.warns(UserWarning, match="ignoring a torn last line"):
