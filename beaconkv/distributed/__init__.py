@@ -10,13 +10,15 @@ them with no communication — the kept sets are the single process's, head for 
 owns the tokenizer and the engine and sends each call that changes its session to the others
 (:mod:`~beaconkv.distributed.mirror`).
 
-Three ways in:
+Four ways in:
 
 * ``beaconkv.generate(model, tok, prompts, tensor_parallel_size=2)`` or ``beaconkv generate
   --tensor-parallel-size 2``: this process is rank 0 and spawns the others
   (:class:`~beaconkv.distributed.launch.TensorParallelRun`, also usable directly);
 * under ``torchrun``: :meth:`TensorParallel.split`, :func:`load_shard`, then :func:`lead` on rank 0 and
-  :func:`follow` elsewhere (:mod:`~beaconkv.distributed.mirror` shows the script).
+  :func:`follow` elsewhere (:mod:`~beaconkv.distributed.mirror` shows the script);
+* ``beaconkv eval --tensor-parallel-size 2``, alone or under ``torchrun`` (world = data parallel x tensor
+  parallel): :mod:`~beaconkv.distributed.eval`.
 
 See the guide ``docs/guides/distributed.md`` for the memory arithmetic and the measured costs.
 """

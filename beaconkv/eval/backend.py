@@ -137,10 +137,13 @@ class GenerationBackend:
             asked when the model has no room for more positions. ``policy`` is one policy object
             (or ``None`` for FullKV) shared by every slot; ``setup`` is the run's
             :class:`~beaconkv.decode_setup.DecodeSetup` (storage, compile, chunked prefill).
+        finish: Called once this rank has generated everything it will, before the ranks' final barrier
+            (tensor parallelism: the ranks that mirror this one's engine stop); None: nothing to do.
     """
 
     tokenizer: Any
     make_engine: Callable[..., EvalEngine]
+    finish: Callable[[], None] | None = None
 
 
 def run_requests(engine: EvalEngine, requests: Iterable[Request]) -> Iterator[Completion]:
@@ -212,6 +215,7 @@ def make_core_engine(
     prompt_capacity: int,
     max_new_tokens: int,
     setup: DecodeSetup = DecodeSetup(),
+    engine_class: type[CoreEvalEngine] = CoreEvalEngine,
 ) -> CoreEvalEngine:
     """Make the engine of a run with the core library (what :func:`load_backend`'s backend calls).
 
@@ -226,6 +230,7 @@ def make_core_engine(
         prompt_capacity: Longest prompt of the run, in tokens.
         max_new_tokens: New tokens a request may generate.
         setup: The runtime options (storage, compile, chunked prefill, ...) of the run's engine.
+        engine_class: The engine's class (tensor parallelism's rank 0 makes one whose steps its ranks mirror).
 
     Returns:
         The engine.
@@ -248,7 +253,7 @@ def make_core_engine(
             stacklevel=2,
         )
         max_new_tokens = room
-    return CoreEvalEngine(
+    return engine_class(
         model,
         tokenizer,
         policy=policy,

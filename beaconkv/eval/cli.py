@@ -27,6 +27,7 @@ from beaconkv.arguments import (
     key_value,
     policy_settings,
 )
+from beaconkv.distributed.cli import add_tensor_parallel_argument
 from beaconkv.eval.benchmarks import BENCHMARKS
 from beaconkv.eval.config import SANDBOX_CHOICES, EvalConfig
 from beaconkv.eval.runner import EvalReport, run_eval
@@ -135,6 +136,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                           "where they cannot) or rlimits (an explicit opt-in: no file-system, process or signal "
                           "containment)")
     run.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_tensor_parallel_argument(run)
     run.add_argument(
         "--dist-timeout-min",
         type=float,
@@ -197,6 +199,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         sandbox=args.sandbox,
         progress=not args.no_progress,
         dist_timeout_min=args.dist_timeout_min,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -100,6 +100,10 @@ class EvalConfig:
             :mod:`beaconkv.eval.sandbox`). Every record states the containment that ran.
         progress: Show progress bars.
         dist_timeout_min: Timeout of distributed collectives (the final barrier), in minutes.
+        tensor_parallel_size: Processes each copy of the model is split over (tensor parallelism, see
+            :mod:`beaconkv.distributed`): started alone, the run spawns them; under ``torchrun`` the world is
+            ``data parallel x tensor parallel``, each group of ``tensor_parallel_size`` ranks one data-parallel
+            rank. Native backend, eager only. Not a resume setting: the tokens are the single process's.
 
     Raises:
         ValueError: On construction, for a value out of range or unknown; the message names the
@@ -139,6 +143,7 @@ class EvalConfig:
     sandbox: str = "namespaces"
     progress: bool = True
     dist_timeout_min: float = 24 * 60
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self.policy = self.policy.strip()
@@ -148,6 +153,10 @@ class EvalConfig:
         _at_least_one("max_batch", "--max-batch", self.max_batch)
         _at_least_one("samples", "--samples", self.samples)
         _at_least_one("prefill_chunk", "--prefill-chunk", self.prefill_chunk)
+        _at_least_one("tensor_parallel_size", "--tensor-parallel-size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and (self.compile or self.backend != "native"):
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} runs the native backend eagerly; "
+                             "drop --compile and --backend hf.")
         if self.limit is not None and self.limit < 1:
             raise ValueError(
                 f"limit={self.limit} must be >= 1; pass --limit N with N >= 1, or leave --limit "

@@ -41,6 +41,7 @@ model in transformers (:mod:`~beaconkv.eval.hf_backend`). The backend is injecta
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -52,6 +53,7 @@ from typing import Any, BinaryIO, cast
 import torch
 from tqdm.auto import tqdm
 
+from beaconkv.distributed import eval as tensor_parallel_eval
 from beaconkv.engine import Request
 from beaconkv.eval.backend import (
     GenerationBackend,
@@ -196,6 +198,9 @@ def run_eval(
         FileNotFoundError: The data file or the model checkpoint does not exist.
         ValueError: The longest pending prompt leaves the model no position for a new token
             (the core backend; it lowers ``max_new_tokens`` to what fits, with a warning, otherwise).
+        TensorParallelError: With ``config.tensor_parallel_size > 1`` (and no ``backend`` given: an injected
+            backend runs as it is), a size the model cannot be split by or a rank that failed (named); see
+            :mod:`beaconkv.distributed.eval`.
     """
     spec = get_benchmark(config.benchmark)
     policy = config.make_policy()
@@ -205,6 +210,9 @@ def run_eval(
     device = resolve_device(config.device)
     ctx = init_distributed(device, timeout_min=config.dist_timeout_min)
     try:
+        if config.tensor_parallel_size > 1 and backend is None:  # each group of ranks shares one copy of the model
+            return tensor_parallel_eval.run_tensor_parallel(config, device, ctx, functools.partial(
+                _run, config, spec.name, samples, device, policy, problems=problems))
         return _run(config, spec.name, samples, device, policy, ctx, backend, problems)
     finally:
         shutdown_distributed(ctx)
@@ -253,6 +261,8 @@ def _run(
             backend = _load(config, device)
         out_dir.mkdir(parents=True, exist_ok=True)
         generated = _generate(config, benchmark, label, budget, policy, ctx, backend, pending, out_dir, stem)
+    if backend is not None and backend.finish is not None:
+        backend.finish()
     barrier(ctx)
     rows: list[SummaryRow] = []
     table = ""
