@@ -18,16 +18,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from .execution import CompileConfig
 from .models.cpu_linear import KERNELS
 from .models.embedded import embedded_model_path
+from .models.loading import resolve_device, resolve_dtype
 from .policies.base import EvictionPolicy, FullKV
 from .policies.config import PolicyConfigError
 from .policies.registry import auto_n_recent, make_policy, policy_class, policy_names, policy_parameters
 from .policies.schedules import AtBudget, parse_schedule
+from .sampling import SamplingParams
 from .storage import storage_names
 
 #: ``--budget``'s default: evictable tokens per sequence and KV head.
@@ -253,7 +260,8 @@ def add_kernels_argument(parser: Any) -> None:
 def add_threads_argument(parser: Any) -> None:
     """``--threads``: torch's CPU threads."""
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                        help="torch CPU threads (default: torch's choice)")
+                        help="torch CPU threads (default: torch's choice; a one-line hint on stderr names a smaller "
+                             "count when the free cores, after the load average, are fewer)")
 
 
 @_shared
@@ -424,3 +432,87 @@ def policy_args_by_policy(args: argparse.Namespace, policies: Iterable[str]) -> 
             raise PolicyConfigError(f"--policy-arg {key}={extra[key]!r}: none of the policies "
                                     f"{', '.join(names) or '(none)'} has a parameter {key!r}; check the name.")
     return {p: {k: v for k, v in extra.items() if k in params[p]} for p in names}
+
+
+# ------------------------------------------------------------------------------------------- threads
+def free_cores() -> tuple[int, float]:
+    """``(cores this process may run on, the one-minute load average)`` (the load is 0 where it is unknown)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = 0.0
+    return cores, load
+
+
+def thread_hint(threads: int, cores: int, load: float) -> str | None:
+    """The one-line hint a command prints when torch runs more threads than the cores other work leaves free.
+
+    A CPU decode step waits for its slowest thread: a thread that shares a core with another busy process
+    slows every step (12x on a busy 2-core box, where ``--threads 1`` was fast).
+
+    Args:
+        threads: torch's thread count.
+        cores: Cores the process may run on.
+        load: The load average (runnable processes, this one's own start-up included).
+
+    Returns:
+        The hint, or None when ``threads`` fits the free cores.
+    """
+    free = max(1, cores - int(load + 0.5))
+    if threads <= free:
+        return None
+    return (f"hint: torch runs {threads} threads, but {cores} core(s) at a load of {load:.1f} leave about {free} "
+            f"free; if decoding is slow, pass --threads {free} (a thread sharing a busy core slows every step)")
+
+
+def print_thread_hint() -> None:
+    """Prints :func:`thread_hint` of torch's thread count on stderr, if there is one (once the model loaded, so
+    that a command refused before it still says one line)."""
+    hint = thread_hint(torch.get_num_threads(), *free_cores())
+    if hint is not None:
+        print(f"beaconkv: {hint}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------- generation
+def check_generation_settings(args: argparse.Namespace, default_budget: int = DEFAULT_BUDGET) -> EvictionPolicy:
+    """Validates the policy, sampling, dtype and device options of ``generate`` and ``demo`` before anything loads,
+    and applies ``--threads``.
+
+    Args:
+        args: The parsed options.
+        default_budget: The budget without ``--budget``.
+
+    Returns:
+        The policy ``--policy`` and its options name.
+
+    Raises:
+        beaconkv.policies.PolicyConfigError: An unknown policy or inconsistent settings.
+        ValueError: Bad sampling settings, an unsupported dtype or an unavailable device.
+    """
+    policy = policy_from_args(args, default_budget)
+    SamplingParams(args.temperature, args.top_p, args.top_k)
+    resolve_dtype(args.dtype, resolve_device(args.device))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return policy
+
+
+def compile_setting(args: argparse.Namespace) -> CompileConfig | bool:
+    """``--compile``/``--compile-backend`` as ``generate``'s ``compile``: a static-shape
+    :class:`~beaconkv.execution.CompileConfig`, or False.
+
+    Static shapes (``dynamic=False``): a second cache size (the demo's FullKV run after BeaconKV)
+    compiles a second static graph, which inductor's on-disk cache keeps for the next run, instead
+    of a shape-generic graph that is recompiled every time.
+    """
+    return CompileConfig(backend=args.compile_backend, dynamic=False) if args.compile else False
+
+
+def placement(args: argparse.Namespace) -> str:
+    """``--dtype`` and ``--device`` as resolved (``auto`` made concrete): ``"float32, cpu"``."""
+    device = resolve_device(args.device)
+    return f"{str(resolve_dtype(args.dtype, device)).removeprefix('torch.')}, {device}"

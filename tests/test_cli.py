@@ -13,7 +13,9 @@ import torch
 
 import beaconkv
 from beaconkv import cli
+from beaconkv.arguments import policy_from_args, thread_hint
 from beaconkv.cli import main
+from beaconkv.measure import demo
 
 
 def test_generate_with_embedded_model_and_policy(capsys):
@@ -59,8 +61,9 @@ def no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the settings were checked")
 
-    for name in ("load_model", "load_tokenizer", "model_path"):
-        monkeypatch.setattr(cli, name, refuse)
+    for module in (cli, demo):
+        for name in ("load_model", "load_tokenizer", "model_path"):
+            monkeypatch.setattr(module, name, refuse)
 
 
 # -------------------------------------------------------------------------------------------- demo
@@ -84,7 +87,7 @@ def test_demo_defaults_evict_many_times_and_compile():
     args = cli.build_parser().parse_args(["demo"])
     assert (args.policy, args.budget, args.n_recent) == ("beacon", None, None)  # the shared defaults: beacon, auto
     assert args.compile and args.ignore_eos and args.max_new_tokens >= 300
-    policy = cli.policy_from_args(args, cli.DEMO_DEFAULTS["budget"])  # budget - floor(7/8 budget) >= n_recent
+    policy = policy_from_args(args, demo.DEMO_DEFAULTS["budget"])  # budget - floor(7/8 budget) >= n_recent
     assert (type(policy).__name__, policy.budget, policy.n_recent) == ("BeaconKV", 64, 8)
     assert (args.max_new_tokens - 1) // (policy.budget - policy.budget * 7 // 8) >= 30  # evictions, at least
 
@@ -92,7 +95,7 @@ def test_demo_defaults_evict_many_times_and_compile():
 def test_demo_compiled_announces_the_compile_and_remembers_its_time(tiny_checkpoint, capsys, monkeypatch, tmp_path,
                                                                     restore_threads):
     monkeypatch.setenv("BEACONKV_CACHE", str(tmp_path))
-    monkeypatch.setattr(cli, "_inductor_cache_state", lambda: "cold")
+    monkeypatch.setattr(demo, "_inductor_cache_state", lambda: "cold")
     argv = ["demo", "--model", str(tiny_checkpoint), "--prompt", "a b c d e f", "--raw", "--threads", "1",
             "--compile-backend", "aot_eager", "--max-new-tokens", "24", "--budget", "16", "--n-recent", "2"]
     assert main(argv) == 0
@@ -104,17 +107,42 @@ def test_demo_compiled_announces_the_compile_and_remembers_its_time(tiny_checkpo
     assert compile_row and all(float(x) > 0 for x in compile_row.groups()), captured.out  # apart from tokens/s
     times = json.loads((tmp_path / "demo-compile-times.json").read_text())
     assert any(k.startswith("decode ") for k in times) and all(v >= 0 for v in times.values())
-    estimate = cli.compile_estimate(cli.build_parser().parse_args(argv), "decode")
+    estimate = demo.compile_estimate(cli.build_parser().parse_args(argv), "decode")
     assert estimate in times.values()  # the next run announces the time measured here
+    # FullKV's larger cache compiles another graph: a RecompileWarning, summarised in one line, never raw
+    assert "Warning:" not in captured.err and "warnings.warn" not in captured.err, captured.err
+    notes = [line for line in captured.err.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "RecompileWarning" in notes[0], captured.err
+    assert "beaconkv: compiling" not in captured.err  # the demo announces its compiles itself
+
+
+def test_the_demo_summarises_warnings_in_one_line():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("another graph of decode_and_sample\nsecond line", UserWarning)
+        warnings.warn("x", DeprecationWarning)
+        warnings.warn("y", UserWarning)
+    line = demo.warnings_summary(caught)
+    assert line == "note: 2 UserWarning, 1 DeprecationWarning while it ran (first: another graph of decode_and_sample)"
+    assert demo.warnings_summary([]) is None
+
+
+def test_old_demo_names_in_cli_warn_and_still_work():
+    with pytest.warns(DeprecationWarning, match="beaconkv.measure.demo.final_answer"):
+        assert cli.final_answer("The answer is 7.") == "7"
+    with pytest.raises(AttributeError):
+        cli.no_such_name  # noqa: B018
 
 
 def test_final_answer_and_token_agreement():
-    assert cli.final_answer("so 17 - 8 = 9.\nThe final answer is 9.") == "9"
-    assert cli.final_answer("The answer is \\boxed{42}.") == "42"
-    assert cli.final_answer("1. First we count 17 sheep", finished=False) is None
-    assert cli.final_answer("We get 1,234 sheep") == "1234"
-    assert cli.token_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == (1.0, None)
-    assert cli.token_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (0.75, 2)
+    assert demo.final_answer("so 17 - 8 = 9.\nThe final answer is 9.") == "9"
+    assert demo.final_answer("The answer is \\boxed{42}.") == "42"
+    assert demo.final_answer("1. First we count 17 sheep", finished=False) is None
+    assert demo.final_answer("We get 1,234 sheep") == "1234"
+    assert demo.token_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == (1.0, None)
+    assert demo.token_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (0.75, 2)
 
 
 # --------------------------------------------------------------------------------- generate options
@@ -125,6 +153,38 @@ def test_generate_threads_and_compile_parse_and_work(tiny_checkpoint, capsys, re
     assert rc == 0 and torch.get_num_threads() == 1
     assert "new tokens [4]" in err and "compiled, aot_eager, compile time not counted" in err
     assert float(re.search(r"compile (\d+\.\d+)s", err).group(1)) > 0, err
+
+
+def test_every_compile_says_so_once_with_its_seconds(tiny_checkpoint, capsys, restore_threads):
+    rc = main(["generate", "--model", str(tiny_checkpoint), "--prompt", "a b c", "--raw", "--max-new-tokens", "3",
+               "--ignore-eos", "--threads", "1", "--compile", "--compile-backend", "aot_eager",
+               "--policy", "full"])
+    err = capsys.readouterr().err
+    started = re.findall(r"^beaconkv: compiling (.+)…$", err, flags=re.MULTILINE)
+    ended = re.findall(r"^beaconkv: compiled (.+) in (\d+\.\d) s$", err, flags=re.MULTILINE)
+    assert rc == 0 and started and [what for what, _ in ended] == started, err
+    assert any(what.startswith("the decode step (") for what in started), err
+
+
+def test_tokens_per_s_is_never_nan():
+    assert demo.rate_text(float("nan"), " tokens/s") == "too short to time"
+    assert demo.rate_text(0.0) == "too short to time" and demo.rate_text(float("inf")) == "too short to time"
+    assert demo.rate_text(12.345, " tokens/s") == "12.3 tokens/s"
+
+
+def test_one_new_token_prints_no_nan(tiny_checkpoint, capsys, restore_threads):
+    assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "a b", "--raw", "--max-new-tokens", "1",
+                 "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "new tokens [1]" in err and "nan" not in err.lower(), err
+
+
+def test_the_thread_hint_names_the_free_cores():
+    hint = thread_hint(8, cores=2, load=1.2)
+    assert hint is not None and "--threads 1" in hint and "8 threads" in hint and "\n" not in hint
+    assert thread_hint(4, cores=8, load=2.0) is None  # six cores free
+    assert thread_hint(1, cores=2, load=7.0) is None  # one thread always fits
+    assert "--threads 3" in thread_hint(4, cores=4, load=0.6)
 
 
 def test_generate_compile_is_off_by_default():

@@ -12,7 +12,10 @@ Nothing falls back silently: a function that cannot be one graph (a host read of
 unsupported op), or that recompiles past :data:`RECOMPILE_LIMIT` times, raises :class:`CompileError`.
 Compiling is timed apart from running (:attr:`Executor.compile_s`), and a *re*compile — a new cache
 size, batch or policy setting that the graphs compiled so far cannot serve — is announced with a
-:class:`RecompileWarning` naming the function and dynamo's reason.
+:class:`RecompileWarning` naming the function and dynamo's reason. Every compile an executor starts is
+logged on :data:`compile_logger` (``beaconkv.compile``, level INFO) when it starts (``compiling the decode
+step (decode_and_sample)…``) and when it ends, with its seconds; the ``beaconkv`` command shows these lines
+on stderr, a library caller sees them once it configures logging.
 
 Trap: a device function must never read host state that changes (a Python list of counts, an
 int attribute updated every step) — dynamo would bake it in as a constant and recompile at every
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -330,11 +334,25 @@ def compile_guard(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> Iterato
         ) from err
 
 
+compile_logger = logging.getLogger("beaconkv.compile")
+"""Where every compile an executor runs is announced (INFO): ``compiling <what>…``, then ``compiled <what> in N s``."""
+
 _COMPILES = [0]  # compiles dynamo started in this process, counted by the callback below
+_RUNNING: list[Any] = [None, False]  # [(fn, args) an executor is calling, whether its compile was announced]
+
+
+def compile_subject(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> str:
+    """How a compile line names ``fn``: ``the decode step (decode_and_sample)``, ``evict_layer of BeaconKV``."""
+    if fn.__module__.endswith(".execution.decode") or fn.__qualname__ == "decode_layers":
+        return f"the decode step ({fn.__qualname__})"
+    return _describe(fn, args)
 
 
 def _count_compile(*_: Any) -> None:
     _COMPILES[0] += 1
+    if _RUNNING[0] is not None and not _RUNNING[1]:  # the first frame of an executor's call that compiles
+        _RUNNING[1] = True
+        compile_logger.info("compiling %s…", compile_subject(*_RUNNING[0]))
 
 
 def _frames_compiled() -> int:
@@ -433,16 +451,21 @@ class CompiledExecutor(Executor):
                 return out
         frames = _frames_compiled()
         t0 = time.perf_counter()
-        with compile_guard(fn, args):
-            if self._specialize_floats:
-                import torch._dynamo.config as dynamo_config
+        _RUNNING[0], _RUNNING[1] = (fn, args), False
+        try:
+            with compile_guard(fn, args):
+                if self._specialize_floats:
+                    import torch._dynamo.config as dynamo_config
 
-                with dynamo_config.patch(specialize_float=True):
+                    with dynamo_config.patch(specialize_float=True):
+                        out = call(*args)
+                else:
                     out = call(*args)
-            else:
-                out = call(*args)
+        finally:
+            _RUNNING[0] = None
         if _frames_compiled() != frames:  # this call compiled (dynamo counts every frame it compiles)
             seconds = time.perf_counter() - t0
+            compile_logger.info("compiled %s in %.1f s", compile_subject(fn, args), seconds)
             self.compile_s += seconds
             self.compile_seconds[fn.__qualname__] += seconds
             self.compiles += 1

@@ -7,5 +7,7 @@
 * :mod:`beaconkv.measure.speed` — decode speed, bandwidth and memory, and the paper's Table 4
   (``beaconkv bench``).
 * :mod:`beaconkv.measure.memory` — the memory each policy needs and the largest batch that fits a
-  device, from the model's config alone (``beaconkv memory``).
+  device, from the model's config alone (``beaconkv memory``);
+* :mod:`beaconkv.measure.demo` — BeaconKV beside FullKV on a reasoning prompt: memory, evictions, speed,
+  agreement (``beaconkv demo``).
 """

@@ -33,6 +33,7 @@ from ..arguments import (
     model_path,
     policy_from_args,
     positive_int,
+    print_thread_hint,
 )
 from ..decode_setup import DecodeSetup
 from ..engine import Engine
@@ -400,6 +401,7 @@ def run_serve(args: argparse.Namespace) -> int:
         shown = f"[{host}]" if ":" in host else host
         print(f"beaconkv serve: loaded {path} ({loaded}, {str(dtype).removeprefix('torch.')}, {device}) in "
               f"{time.perf_counter() - t0:.1f}s; {_slots_text(args, engine)}, {policy!r}", file=sys.stderr)
+        print_thread_hint()
         banner = (f"beaconkv serve: serving {', '.join(names)} at http://{shown}:{port}/v1 "
                   f"(prompts up to {capacity} tokens, up to {args.max_new_tokens} new tokens; Host names "
                   f"{', '.join(hosts)}; Ctrl-C stops)")
