@@ -23,18 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import BeaconKVError
+from ..rotary import rotate, rotate_half
 
 Layout = Literal["full", "partial", "half"]
 
 
 class RotaryLayoutError(BeaconKVError, ValueError):
     """A model's rotary tables have a shape this integration does not know how to apply."""
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    """Maps the two halves ``(a, b)`` of the last dimension to ``(-b, a)``."""
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
 
 
 def _tables(cos: Tensor, sin: Tensor, layout: Layout) -> tuple[Tensor, Tensor]:
@@ -49,9 +44,9 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, layout: Layout) -> Tensor:
     cos, sin = (t.to(x.dtype) for t in _tables(cos, sin, layout))
     r = cos.shape[-1]
     if r == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return rotate(x, cos, sin)
     rot, rest = x[..., :r], x[..., r:]
-    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+    return torch.cat((rotate(rot, cos, sin), rest), dim=-1)
 
 
 def invert_rotary(x: Tensor, cos: Tensor, sin: Tensor, layout: Layout) -> Tensor:

@@ -7,7 +7,8 @@ which use it to re-rotate stored pre-RoPE queries to the positions they want to 
 Frequency variants: ``default``, ``linear`` (positions divided by ``factor``), ``llama3`` (Llama
 3.1/3.2 band-wise scaling) and ``yarn`` (as Qwen3 configs use it, with its attention factor applied
 to cos/sin). cos/sin are computed on the fly in float32 from the positions, so no table bounded by
-``max_position_embeddings`` is kept in memory.
+``max_position_embeddings`` is kept in memory. The rotation itself, ``rotate_half``, is
+:mod:`beaconkv.rotary`'s (imported here, so ``beaconkv.models.rope.rotate_half`` still works).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..rotary import rotate_half
 from .config import RopeConfig, UnsupportedModelError
 
 
@@ -92,12 +94,6 @@ def _yarn(rope: RopeConfig, dim: int) -> tuple[Tensor, float]:
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
     return inv_freq, float(attention_factor)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    """Maps the two halves ``(a, b)`` of the last dimension to ``(-b, a)``."""
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..models.rope import rotate_half
+from ..rotary import rotate
 from .config import PolicyConfigError, check_int, check_number
 from .observer import ObservedLayer
 from .scoring import group_queries, last_queries, pool_slots
@@ -54,7 +54,7 @@ def mean_rotation(rope: Any, t: Tensor, n_future: int, head_dim: int) -> tuple[T
 def apply_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``R x`` along the last dimension for the rotation :func:`mean_rotation` describes (any leading shape;
     ``cos``/``sin`` broadcastable to ``x``)."""
-    return x * cos + rotate_half(x) * sin
+    return rotate(x, cos, sin)
 
 
 @dataclass
