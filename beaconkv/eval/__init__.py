@@ -19,20 +19,20 @@ The modules, from the ground up: :mod:`~beaconkv.eval.errors`; :mod:`~beaconkv.e
 :mod:`~beaconkv.eval.backend`; :mod:`~beaconkv.eval.runner`; :mod:`~beaconkv.eval.cli`.
 """
 
-from beaconkv.eval.answers import extract_choice_letter, extract_last_boxed
-from beaconkv.eval.backend import GenerationBackend, load_backend
-from beaconkv.eval.benchmarks import (
+from .answers import extract_choice_letter, extract_last_boxed
+from .backend import GenerationBackend, load_backend
+from .benchmarks import (
     BENCHMARKS,
     BenchmarkSpec,
     CodeTest,
     Problem,
     get_benchmark,
 )
-from beaconkv.eval.cli import add_eval_arguments, config_from_args, run_eval_from_args
-from beaconkv.eval.code_grading import extract_code, grade_code
-from beaconkv.eval.config import EvalConfig
-from beaconkv.eval.datasets import load_benchmark, read_records
-from beaconkv.eval.errors import (
+from .cli import add_eval_arguments, config_from_args, run_eval_from_args
+from .code_grading import extract_code, grade_code
+from .config import EvalConfig
+from .datasets import load_benchmark, read_records
+from .errors import (
     DatasetAccessError,
     DatasetFormatError,
     EvalError,
@@ -40,14 +40,14 @@ from beaconkv.eval.errors import (
     ResultsConflictError,
     UnknownBenchmarkError,
 )
-from beaconkv.eval.grade import Grade
-from beaconkv.eval.grading import grade_choice, grade_math, math_answers_equal
-from beaconkv.eval.prompts import BuiltPrompt, build_prompt, render_chat
-from beaconkv.eval.response_grading import grade_response
-from beaconkv.eval.results import set_aside_torn_tail
-from beaconkv.eval.runner import EvalReport, run_eval
-from beaconkv.eval.sandbox import SandboxLimits, SandboxResult, run_python
-from beaconkv.eval.summary import (
+from .grade import Grade
+from .grading import grade_choice, grade_math, math_answers_equal
+from .prompts import BuiltPrompt, build_prompt, render_chat
+from .response_grading import grade_response
+from .results import set_aside_torn_tail
+from .runner import EvalReport, run_eval
+from .sandbox import SandboxLimits, SandboxResult, run_python
+from .summary import (
     SummaryRow,
     format_summary_table,
     summarize,

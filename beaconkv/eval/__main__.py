@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from beaconkv.command import module_main
-from beaconkv.eval.cli import add_eval_arguments, run_eval_from_args
+from ..command import module_main
+from .cli import add_eval_arguments, run_eval_from_args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from beaconkv.eval.errors import UnknownBenchmarkError
+from .errors import UnknownBenchmarkError
 
 __all__ = [
     "BENCHMARKS",

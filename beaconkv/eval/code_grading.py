@@ -35,10 +35,10 @@ import re
 import secrets
 from collections.abc import Sequence
 
-from beaconkv.eval.benchmarks import CodeTest
-from beaconkv.eval.grade import Grade
-from beaconkv.eval.output_matching import json_values_match, outputs_match, parse_json_value
-from beaconkv.eval.sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, run_python
+from .benchmarks import CodeTest
+from .grade import Grade
+from .output_matching import json_values_match, outputs_match, parse_json_value
+from .sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, run_python
 
 __all__ = ["extract_code", "grade_code", "outputs_match", "run_test"]
 

@@ -41,14 +41,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from beaconkv.eval.answers import extract_last_boxed
-from beaconkv.eval.benchmarks import BenchmarkSpec, CodeTest, Problem, get_benchmark
-from beaconkv.eval.errors import (
+from ..paths import benchmark_file
+from .answers import extract_last_boxed
+from .benchmarks import BenchmarkSpec, CodeTest, Problem, get_benchmark
+from .errors import (
     DatasetAccessError,
     DatasetFormatError,
     MissingFieldError,
 )
-from beaconkv.paths import benchmark_file
 
 __all__ = [
     "download_from_hub",

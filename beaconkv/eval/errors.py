@@ -8,7 +8,7 @@ every one of them as a user error, in one line with exit status 2.
 
 from __future__ import annotations
 
-from beaconkv.errors import BeaconKVError
+from ..errors import BeaconKVError
 
 __all__ = [
     "DatasetAccessError",

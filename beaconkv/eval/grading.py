@@ -19,12 +19,12 @@ from __future__ import annotations
 import re
 import threading
 
-from beaconkv.eval.answers import (
+from .answers import (
     extract_choice_letter,
     extract_last_boxed,
     strip_text_commands,
 )
-from beaconkv.eval.grade import Grade
+from .grade import Grade
 
 __all__ = ["grade_choice", "grade_math", "math_answers_equal"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..arguments import model_path
-from beaconkv.decode_setup import DecodeSetup
+from ..decode_setup import DecodeSetup
 from ..engine import Completion, Event, Request
 from ..hf.generation import generate_hf, load_hf_model
 from ..policies import EvictionPolicy

@@ -17,8 +17,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from beaconkv.eval.benchmarks import Problem, get_benchmark
-from beaconkv.eval.seeds import derive_seed
+from .benchmarks import Problem, get_benchmark
+from .seeds import derive_seed
 
 __all__ = [
     "BuiltPrompt",

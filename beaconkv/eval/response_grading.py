@@ -14,11 +14,11 @@ result, so the run goes on and a resume does not meet the same sample again.
 
 from __future__ import annotations
 
-from beaconkv.eval.benchmarks import Problem, get_benchmark
-from beaconkv.eval.code_grading import grade_code
-from beaconkv.eval.grade import Grade
-from beaconkv.eval.grading import grade_choice, grade_math
-from beaconkv.eval.sandbox import SandboxLimits
+from .benchmarks import Problem, get_benchmark
+from .code_grading import grade_code
+from .grade import Grade
+from .grading import grade_choice, grade_math
+from .sandbox import SandboxLimits
 
 __all__ = ["grade_response"]
 

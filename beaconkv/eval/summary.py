@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from beaconkv.eval.errors import ResultsFileError
-from beaconkv.eval.results import is_rank_file, iter_jsonl_records, record_field_problem
+from .errors import ResultsFileError
+from .results import is_rank_file, iter_jsonl_records, record_field_problem
 
 __all__ = ["SUMMARY_FIELDS", "SummaryRow", "format_summary_table", "summarize", "write_summary"]
 

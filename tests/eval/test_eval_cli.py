@@ -336,19 +336,31 @@ def test_help_and_sources_never_point_outside_the_project() -> None:
 # ------------------------------------------------------------------------------ import structure
 
 
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module an ``import from`` names, a relative one (``from ..x import y``) resolved in ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join([*base, node.module] if node.module else base)
+
+
 def _eval_imports() -> dict[str, list[tuple[str, bool]]]:
-    """module -> [(imported beaconkv module, at module top?)] for every file of beaconkv/eval."""
+    """module -> [(imported beaconkv module, at module top?)] for every file of beaconkv/eval (the modules of the
+    sandbox package count as one, ``sandbox``); relative imports resolved."""
     found: dict[str, list[tuple[str, bool]]] = {}
-    for path in sorted(EVAL_DIR.glob("*.py")):
+    for path in [*sorted(EVAL_DIR.glob("*.py")), *sorted(EVAL_DIR.glob("sandbox/*.py"))]:
+        inside = path.parent != EVAL_DIR
+        package = "beaconkv.eval.sandbox" if inside else "beaconkv.eval"
         tree = ast.parse(path.read_text())
-        # a module-level ``try: import ... except ImportError:`` runs at import time too (the sandbox's helper
-        # script, run by path with the standard library only, falls back there)
+        # a module-level ``try: import ... except ImportError:`` runs at import time too (the sandbox's modules,
+        # loaded by path by its helper with the standard library only, fall back there)
         top = {id(node) for node in tree.body}
         top |= {id(inner) for node in tree.body if isinstance(node, ast.Try) for inner in node.body}
         imports = []
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if isinstance(node, ast.ImportFrom):
+                module = _absolute(node, package)
+                names = [module] + [f"{module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             else:
@@ -356,7 +368,7 @@ def _eval_imports() -> dict[str, list[tuple[str, bool]]]:
             names = [n for n in names if n.split(".")[0] == "beaconkv"]
             if names:
                 imports.append((names[0], id(node) in top, names))
-        found[path.stem] = imports
+        found.setdefault("sandbox" if inside else path.stem, []).extend(imports)
     return found
 
 
