@@ -26,8 +26,9 @@ import contextlib
 import logging
 import signal
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,7 @@ class _RankSpec:
 def _rank_main(index: int, spec: _RankSpec) -> None:
     """A spawned rank: join, load the shard, mirror rank 0 until it exits."""
     logging.basicConfig(level=spec.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every rank: rank 0 stops the group
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     rank = index + 1
@@ -206,6 +208,25 @@ class TensorParallelRun:
                 :class:`~beaconkv.distributed.mirror.MirroredEngine`).
         """
         return MirroredEngine(self.model, tokenizer, **kwargs)
+
+    def watch(self, on_failure: Callable[[str], None], interval_s: float = 0.5) -> None:
+        """Calls ``on_failure(message)`` once, from a daemon thread, when a spawned rank ends while the run is open
+        (what a server that waits for requests needs: no collective runs to notice a rank that died meanwhile).
+
+        Args:
+            on_failure: Called with ``"tensor parallelism stopped: rank 1 died of SIGKILL ..."``; it must be quick
+                and may not close the run (a server stops itself there, and closes the run on its way out).
+            interval_s: Seconds between two looks at the ranks.
+        """
+        def look() -> None:
+            while not self._closed:
+                for i, p in enumerate(self.processes.processes):
+                    if p.exitcode is not None and not self._closed:
+                        on_failure(f"tensor parallelism stopped: rank {i + 1} {_ended(p.exitcode, self.processes, i)}")
+                        return
+                time.sleep(interval_s)
+
+        threading.Thread(target=look, name="beaconkv-tp-watch", daemon=True).start()
 
     @contextlib.contextmanager
     def guard(self, doing: str) -> Iterator[None]:

@@ -10,8 +10,11 @@ imports the server and before it loads the model, so a mistake costs a second an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import math
+import os
+import signal
 import socket
 import sys
 import time
@@ -36,6 +39,9 @@ from ..arguments import (
     print_thread_hint,
 )
 from ..decode_setup import DecodeSetup
+from ..distributed.cli import add_tensor_parallel_argument
+from ..distributed.cli import start_run as start_tensor_parallel_run
+from ..distributed.group import TensorParallelError
 from ..engine import Engine
 from ..errors import BeaconKVError
 from ..execution import CompileConfig
@@ -61,6 +67,7 @@ from .limits import (
 from .special_tokens import SPECIAL_TOKEN_MODES
 
 if TYPE_CHECKING:
+    from ..distributed.launch import TensorParallelRun
     from ..policies import EvictionPolicy
     from .hf_engine import HFEngine
 
@@ -131,6 +138,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add_kv_storage_argument(m)
     add_kernels_argument(m)
     add_prefill_chunk_argument(m)
+    add_tensor_parallel_argument(m)
     p = parser.add_argument_group("eviction policy")
     add_policy_arguments(p)
     add_n_beacon_argument(p)
@@ -318,8 +326,10 @@ def _check_limits(args: argparse.Namespace, directory: Path, capacity: int) -> N
 
 
 def _load_engine(args: argparse.Namespace, directory: Path, policy: EvictionPolicy, capacity: int,
-                 device: torch.device, dtype: torch.dtype) -> tuple[Engine | HFEngine, str]:
-    """The engine ``--backend`` names over the loaded checkpoint, and how the banner names the model."""
+                 device: torch.device, dtype: torch.dtype,
+                 run: TensorParallelRun | None = None) -> tuple[Engine | HFEngine, str]:
+    """The engine ``--backend`` names over the loaded checkpoint (``run``: rank 0's shard, its engine mirrored on
+    the other ranks), and how the banner names the model."""
     tokenizer = load_tokenizer(directory)
     sizes = dict(policy=policy, max_batch=args.max_batch, prompt_capacity=capacity,
                  max_new_tokens=args.max_new_tokens, max_queue=args.max_queue, seed=args.seed)
@@ -330,9 +340,12 @@ def _load_engine(args: argparse.Namespace, directory: Path, policy: EvictionPoli
         model = load_hf_model(str(directory), dtype=dtype, device=str(device))
         engine = HFEngine(model, tokenizer, prefill_chunk=args.prefill_chunk, **sizes)
         return engine, f"transformers {type(model).__name__}, {model.config._attn_implementation}"
-    model = load_model(directory, dtype=dtype, device=device)
     setup = DecodeSetup(kv_storage=args.kv_storage, kernels=args.kernels, prefill_chunk=args.prefill_chunk,
                         compile=CompileConfig() if args.compile else False)
+    if run is not None:
+        return (run.engine(tokenizer, setup=setup, **sizes),
+                f"{run.model.config.model_type}, tensor parallel {run.size}: {run.model.shard_plan.describe()}")
+    model = load_model(directory, dtype=dtype, device=device)
     return Engine(model, tokenizer, setup=setup, **sizes), model.config.model_type
 
 
@@ -358,6 +371,8 @@ def run_serve(args: argparse.Namespace) -> int:
     Raises:
         beaconkv.policies.PolicyConfigError: An unknown policy, a budget it rejects, or a budget with
             ``--policy full``.
+        TensorParallelError: ``--tensor-parallel-size`` with ``--compile`` or ``--backend hf``, a size the model
+            cannot be split by, or a rank that failed or died (the server stops; the message names the rank).
         ServeError: Limits beyond the model's positions, ``--max-model-len`` with ``--prompt-capacity``,
             ``--max-batch`` below 1, a busy port, an empty name, a ``--max-connections`` beyond the file limit,
             or fastapi and uvicorn missing.
@@ -392,11 +407,20 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ServeError(f"beaconkv serve needs fastapi and uvicorn ({err}); install them with "
                          "pip install 'beaconkv[serve]'.") from None
     sock = bind_socket(args.host, args.port)
+    run: TensorParallelRun | None = None
+    failed: list[str] = []
     try:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         t0 = time.perf_counter()
-        engine, loaded = _load_engine(args, directory, policy, capacity, device, dtype)
+        run = start_tensor_parallel_run(args, directory)  # --tensor-parallel-size > 1: rank 0 here, others spawned
+        if run is not None:
+            def stop(message: str) -> None:  # a rank that died while the server waits stops it, as one Ctrl-C does
+                failed.append(message)
+                os.kill(os.getpid(), signal.SIGINT)
+
+            run.watch(stop)
+        engine, loaded = _load_engine(args, directory, policy, capacity, device, dtype, run)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(f"beaconkv serve: loaded {path} ({loaded}, {str(dtype).removeprefix('torch.')}, {device}) in "
@@ -405,8 +429,29 @@ def run_serve(args: argparse.Namespace) -> int:
         banner = (f"beaconkv serve: serving {', '.join(names)} at http://{shown}:{port}/v1 "
                   f"(prompts up to {capacity} tokens, up to {args.max_new_tokens} new tokens; Host names "
                   f"{', '.join(hosts)}; Ctrl-C stops)")
-        return server.serve(engine, engine.tokenizer, names, sock, threads=args.threads, log_level=args.log_level,
+        code = server.serve(engine, engine.tokenizer, names, sock, threads=args.threads, log_level=args.log_level,
                             banner=banner, limits=limits, connections=connections, allowed_hosts=hosts,
                             special_tokens=args.special_tokens_in_content)
+    except BaseException as err:
+        if run is not None:
+            _close_run(run, stopped=isinstance(err, KeyboardInterrupt) and not failed)
+        if failed:
+            raise TensorParallelError(failed[0]) from err
+        raise
     finally:
         sock.close()
+    if run is not None:
+        _close_run(run, stopped=not failed)
+        if failed:
+            raise TensorParallelError(failed[0])
+    return code
+
+
+def _close_run(run: TensorParallelRun, stopped: bool) -> None:
+    """Ends the ranks of a tensor-parallel server: told to exit after a clean stop (``stopped``, a Ctrl-C or a
+    return; ranks that the same Ctrl-C ended are no error), else stopped at once."""
+    if not stopped:
+        run.close(failed=True)
+        return
+    with contextlib.suppress(TensorParallelError):
+        run.close()
