@@ -335,7 +335,8 @@ def compile_guard(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> Iterato
 
 
 compile_logger = logging.getLogger("beaconkv.compile")
-"""Where every compile an executor runs is announced (INFO): ``compiling <what>…``, then ``compiled <what> in N s``."""
+"""Where every compile an executor runs is announced (INFO): ``compiling <what>…``, then
+``compiled <what> in N s``."""
 
 _COMPILES = [0]  # compiles dynamo started in this process, counted by the callback below
 _RUNNING: list[Any] = [None, False]  # [(fn, args) an executor is calling, whether its compile was announced]

@@ -1,6 +1,6 @@
 """BeaconKV inside Hugging Face transformers: any beaconkv policy on a transformers decoder's cache.
 
-:class:`PolicyCache` is a transformers ``Cache``: pass it to ``model.generate(..., past_key_values=cache)``
+:class:`PolicyCache` is a transformers ``Cache``: pass it to ``model.generate(..., cache=cache)``
 and the model's full-attention layers keep a fixed capacity, evicted by the policy (BeaconKV, the
 baselines, the variants or a user's subclass: the same objects as the native path) while it decodes.
 Needs the optional dependency ``transformers`` (``pip install beaconkv[hf]``).

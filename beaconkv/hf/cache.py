@@ -3,7 +3,7 @@
 ::
 
     cache = PolicyCache(model, policy=BeaconKV(budget=1024))
-    out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4096)
+    out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=4096)
 
 It is a second host of the policies (as ``tests/policies/test_second_host.py`` shows one can be): the
 full-attention layers store their keys and values in a :class:`~beaconkv.cache.KVCache` of fixed capacity
@@ -410,5 +410,5 @@ class PolicyCache(Cache):
     def _store_layer(self, index: int):
         if self._phase is None or self.store is None:
             raise PolicyCacheError("a PolicyCache layer was written outside a forward of the model it was made for; "
-                                   "pass the cache to that model (model.generate(..., past_key_values=cache)).")
+                                   "pass the cache to that model (model.generate(..., cache=cache)).")
         return self.store[index]

@@ -8,7 +8,8 @@ OpenAI client — the ``openai`` package, ``curl``, lm-evaluation-harness's ``lo
 Modules, each with one job:
 
 * :mod:`~beaconkv.serve.cli` — the command's options and their validation (no fastapi needed);
-* :mod:`~beaconkv.serve.schema` — request bodies, their checks and their engine requests;
+* :mod:`~beaconkv.serve.schema` — request bodies and the checks of their fields;
+* :mod:`~beaconkv.serve.prepare` — a parsed body checked against the engine and made into its engine requests;
 * :mod:`~beaconkv.serve.limits` — what a client may cost (connections, body size and time, prompt length,
   answer size);
 * :mod:`~beaconkv.serve.connections` — uvicorn's protocol with a connection cap and a head timeout (slow-loris);

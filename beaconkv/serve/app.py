@@ -7,7 +7,8 @@ Before a request is read, a ``Host`` that is not one of the server's names gets 
 ``application/json`` gets 415 (:class:`~beaconkv.serve.browsers.BrowserGuard`: a web page cannot drive the
 server); a body over ``max_request_bytes`` gets 413 and one slower than ``body_timeout_s`` gets 408
 (:class:`~beaconkv.serve.limits.BodyLimit`). A call is then checked and encoded
-(:mod:`beaconkv.serve.schema`) on a small pool of threads (:class:`~beaconkv.serve.prepare_pool.PreparePool`)
+(:mod:`beaconkv.serve.schema`, :mod:`beaconkv.serve.prepare`) on a small pool of threads
+(:class:`~beaconkv.serve.prepare_pool.PreparePool`)
 — tokenizing never holds the event loop, so ``/health`` answers during any request; an answer larger than
 ``max_answer_tokens`` and a prompt too long to fit are refused before anything is tokenized; the chat template
 renders with a time limit, and is stopped when its client leaves — submitted to the engine thread as one group
@@ -55,15 +56,8 @@ from .errors import (
 from .limits import BodyLimit, RequestLimits, max_token_chars
 from .metrics import CONTENT_TYPE, render, server_metrics
 from .prepare_pool import SATURATED_AFTER_S, PrepareJob, PreparePool
-from .schema import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    PreparedRequest,
-    SamplingFields,
-    parse_body,
-    prepare_chat,
-    prepare_completion,
-)
+from .prepare import PreparedRequest, prepare_chat, prepare_completion
+from .schema import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body
 from .special_tokens import SpecialTokenText
 from .worker import EngineWorker, RequestGroup, WorkerStopped
 

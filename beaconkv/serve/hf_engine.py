@@ -2,9 +2,9 @@
 :class:`~beaconkv.hf.PolicyCache`.
 
 :class:`HFEngine` has the part of the native :class:`~beaconkv.engine.Engine`'s interface the server drives
-(:class:`~beaconkv.serve.worker.EngineWorker` and the routes): ``submit`` and ``cancel`` from any thread, ``step`` from the engine
-thread, ``idle``, ``running``, ``queued``, ``stats``, ``abort``, ``validate``. What it runs is simpler than the
-native pool:
+(:class:`~beaconkv.serve.worker.EngineWorker` and the routes): ``submit`` and ``cancel`` from any thread,
+``step`` from the engine thread, ``idle``, ``running``, ``queued``, ``stats``, ``abort``, ``validate``. What it
+runs is simpler than the native pool:
 
 * **Concurrent, not batched.** Up to ``max_batch`` requests run at once, each with a ``PolicyCache`` of its
   own; a step admits waiting requests into free places (one prefill forward each, then their first token) and

@@ -13,7 +13,7 @@ Bounds on a connection (enforced by :mod:`beaconkv.serve.connections` under uvic
   (glibc keeps freed heap memory otherwise: 60 dropped bodies of 4 MiB left the server 200 MiB larger). Bodies
   under the limit are read in full, then handed to the app.
 
-Bounds on a request (checked by :mod:`beaconkv.serve.schema` before any work):
+Bounds on a request (checked by :mod:`beaconkv.serve.schema` and :mod:`beaconkv.serve.prepare` before any work):
 
 * :func:`max_token_chars`: the most characters one token of a tokenizer stands for. A prompt of
   more than ``prompt_capacity * max_token_chars`` characters needs more than ``prompt_capacity``
