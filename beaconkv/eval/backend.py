@@ -28,14 +28,14 @@ from typing import Any, Protocol
 
 import torch
 
-from beaconkv.arguments import model_path
-from beaconkv.decode_setup import DecodeSetup
-from beaconkv.engine import Completion, Engine, Event, Request
-from beaconkv.models.decoder import CausalLM
-from beaconkv.models.loading import load_model, resolve_dtype
-from beaconkv.policies import EvictionPolicy
-from beaconkv.storage import KVStorage
-from beaconkv.tokenizer import Tokenizer, load_tokenizer
+from ..arguments import model_path
+from ..decode_setup import DecodeSetup
+from ..engine import Completion, Engine, Event, Request
+from ..models.decoder import CausalLM
+from ..models.loading import load_model, resolve_dtype
+from ..policies import EvictionPolicy
+from ..storage import KVStorage
+from ..tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "CacheFigures",

@@ -14,23 +14,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from beaconkv.arguments import (
+from ..arguments import (
     add_backend_argument,
     add_device_argument,
     add_dtype_argument,
     add_kv_storage_argument,
-    add_prefill_chunk_argument,
     add_max_batch_argument,
     add_model_argument,
     add_policy_arguments,
+    add_prefill_chunk_argument,
     add_top_k_argument,
     key_value,
     policy_settings,
 )
-from beaconkv.distributed.cli import add_tensor_parallel_argument
-from beaconkv.eval.benchmarks import BENCHMARKS
-from beaconkv.eval.config import SANDBOX_CHOICES, EvalConfig
-from beaconkv.eval.runner import EvalReport, run_eval
+from ..distributed.cli import add_tensor_parallel_argument
+from .benchmarks import BENCHMARKS
+from .config import SANDBOX_CHOICES, EvalConfig
+from .runner import EvalReport, run_eval
 
 __all__ = ["add_eval_arguments", "config_from_args", "run_eval_from_args"]
 

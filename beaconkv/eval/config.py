@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from beaconkv.decode_setup import DecodeSetup
-from beaconkv.arguments import BACKENDS
-from beaconkv.eval.sandbox import SandboxLimits
-from beaconkv.models.loading import resolve_dtype
-from beaconkv.policies import EvictionPolicy, make_policy
-from beaconkv.policies.registry import is_policy_spec
-from beaconkv.storage import storage_names
+from ..arguments import BACKENDS
+from ..decode_setup import DecodeSetup
+from ..models.loading import resolve_dtype
+from ..policies import EvictionPolicy, make_policy
+from ..policies.registry import is_policy_spec
+from ..storage import storage_names
+from .sandbox import SandboxLimits
 
 __all__ = ["DTYPE_CHOICES", "SANDBOX_CHOICES", "EvalConfig"]
 

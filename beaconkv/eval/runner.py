@@ -53,28 +53,31 @@ from typing import Any, BinaryIO, cast
 import torch
 from tqdm.auto import tqdm
 
-from beaconkv.distributed import eval as tensor_parallel_eval
-from beaconkv.engine import Request
-from beaconkv.eval.backend import (
+from ..distributed import eval as tensor_parallel_eval
+from ..engine import Request
+from ..policies import EvictionPolicy
+from ..policies.registry import policy_display_name
+from ..sampling import SamplingParams
+from .backend import (
     GenerationBackend,
     load_backend,
     resolve_device,
     resolve_eval_dtype,
     run_requests,
 )
-from beaconkv.eval.benchmarks import Problem, get_benchmark
-from beaconkv.eval.config import EvalConfig
-from beaconkv.eval.datasets import load_benchmark
-from beaconkv.eval.distributed import (
+from .benchmarks import Problem, get_benchmark
+from .config import EvalConfig
+from .datasets import load_benchmark
+from .distributed import (
     DistContext,
     barrier,
     init_distributed,
     shutdown_distributed,
 )
-from beaconkv.eval.errors import DatasetFormatError
-from beaconkv.eval.prompts import build_prompt, render_chat
-from beaconkv.eval.response_grading import grade_response
-from beaconkv.eval.results import (
+from .errors import DatasetFormatError
+from .prompts import build_prompt, render_chat
+from .response_grading import grade_response
+from .results import (
     load_done,
     merge_results,
     open_results_file,
@@ -82,12 +85,9 @@ from beaconkv.eval.results import (
     rank_file,
     results_stem,
 )
-from beaconkv.eval.sandbox import check_containment
-from beaconkv.eval.seeds import derive_seed
-from beaconkv.eval.summary import SummaryRow, write_summary
-from beaconkv.policies import EvictionPolicy
-from beaconkv.policies.registry import policy_display_name
-from beaconkv.sampling import SamplingParams
+from .sandbox import check_containment
+from .seeds import derive_seed
+from .summary import SummaryRow, write_summary
 
 __all__ = ["EvalReport", "PlannedSample", "plan_samples", "run_eval"]
 
@@ -287,7 +287,7 @@ def _load(config: EvalConfig, device: str) -> GenerationBackend:
     dtype = resolve_eval_dtype(config.dtype, device)
     if config.backend == "hf":
         # late on purpose: transformers is the optional hf extra, and only this choice needs it (no import circle)
-        from beaconkv.eval.hf_backend import load_hf_backend
+        from .hf_backend import load_hf_backend
 
         return load_hf_backend(config.model, device=device, dtype=dtype)
     return load_backend(config.model, device=device, dtype=dtype)
