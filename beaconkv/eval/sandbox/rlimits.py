@@ -2,7 +2,7 @@
 stack size of the threads Python starts, so that threads fit under ``RLIMIT_AS``.
 
 The namespace containment sets the same rlimits in the box's last process (:mod:`.namespaces`), with the
-task cap :data:`_MAX_TASKS` defined here.
+task cap defined here (``_MAX_TASKS``: 64 threads besides the main one).
 """
 
 from __future__ import annotations
