@@ -54,7 +54,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from .base import Executor
-from .compiled import CompileError
+from .compiled import CompileError, compile_logger, compile_subject
 
 __all__ = ["GRAPH_LIMIT", "GraphCaptureError", "GraphExecutor", "GraphLimitWarning", "GraphRecorder", "RecordedGraph",
            "graph_recorder", "host_flags"]
@@ -301,9 +301,11 @@ class GraphExecutor(Executor):
             return fn(*args)
         self._seen.pop(key, None)
         t0 = time.perf_counter()
+        compile_logger.info("recording %s as a graph…", compile_subject(fn, args))
         entry, out = self._record(fn, args, tensors, objects)
         self.graphs[key] = entry
         seconds = time.perf_counter() - t0
+        compile_logger.info("recorded %s in %.1f s", compile_subject(fn, args), seconds)
         self.compile_s += seconds
         self.compile_seconds[fn.__qualname__] += seconds
         self.compiles += 1
