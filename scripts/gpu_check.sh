@@ -6,7 +6,9 @@
 #                        each at the largest batch that fits 90% of the device;
 #   2. engine            the engine section at one KV-memory limit (continuous vs static batches, BeaconKV vs FullKV);
 #   3. cuda_tests        the tests marked `cuda` (8 workers with pytest-xdist);
-#   4. graph_vs_compile  recorded CUDA graphs vs inductor's shapes (SmolLM2-135M shape): runs when time is left.
+#   4. tensor_parallel   python -m beaconkv.distributed.check: NCCL over 2 GPUs (gloo with --device cpu), tokens and
+#                        kept positions equal to one process; with fewer than 2 GPUs it says it skipped TP;
+#   5. graph_vs_compile  recorded CUDA graphs vs inductor's shapes (SmolLM2-135M shape): runs when time is left.
 # Each stage prints its lines as they come and writes JSON under the output folder; a stage (or, inside table4, a
 # measurement) that would not fit the time left prints "skipped: would need ~N s, M s left".
 #
@@ -24,7 +26,7 @@ set -u
 STARTED=$(date +%s.%N)
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PYTHON:-python3}"
-case " $* " in *" -h "*|*" --help "*) sed -n '2,23p' "$0"; exit 0;; esac
+case " $* " in *" -h "*|*" --help "*) sed -n '2,24p' "$0"; exit 0;; esac
 if ! command -v "$PY" > /dev/null 2>&1; then
   echo "gpu_check.sh: refused: no python ($PY) on this machine; set PYTHON=/path/to/python" >&2
   exit 3
@@ -59,6 +61,7 @@ for _ in range(30):
         importlib.import_module("beaconkv.measure.speed.table4_generation")
         importlib.import_module("beaconkv.measure.speed.engine_bench")
         importlib.import_module("beaconkv.measure.speed.graph_decode")
+        importlib.import_module("beaconkv.distributed.check")
         break
     except ModuleNotFoundError as err:
         name = (err.name or "").split(".")[0]

@@ -62,6 +62,9 @@ def test_the_cpu_rehearsal_runs_every_stage_in_order_figures_first(tmp_path: Pat
     assert all(r["evictions"] > 0 for r in engine["rows"] if r["policy"] == "beacon")
     tests = json.loads((tmp_path / "cuda_tests.json").read_text())
     assert tests["counts"]["passed"] > 0 and tests["counts"]["failed"] == tests["counts"]["errors"] == 0
+    parallel = json.loads((tmp_path / "tensor_parallel.json").read_text())  # gloo, 2 ranks
+    assert parallel["result"] == "tensor parallelism: passed" and "--device" in parallel["command"]
+    assert out.count("tokens equal, kept positions equal over") == 3
     compare = json.loads((tmp_path / "graph_vs_compile.json").read_text())
     assert {r["shape"] for r in compare["rows"]} == {"graphs", "whole"}
     assert all(r["identical"] == r["batch"] for r in compare["rows"])
@@ -69,6 +72,7 @@ def test_the_cpu_rehearsal_runs_every_stage_in_order_figures_first(tmp_path: Pat
     assert [s["name"] for s in report["stages"]] == list(STAGES) and {s["status"] for s in report["stages"]} == {"ok"}
     summary = out.split("GPU check summary", 1)[1]
     assert "| FullKV, batch 2 | 2 |" in summary and "tests: " in summary and " passed" in summary
+    assert "tensor parallelism: passed" in summary
 
 
 def test_a_deadline_that_leaves_no_room_skips_each_stage_and_says_why(tmp_path: Path) -> None:
@@ -144,3 +148,22 @@ def test_a_missing_package_is_refused_in_one_line(tmp_path: Path) -> None:
     refusal = done.stderr.strip().splitlines()
     assert len(refusal) == 1 and "refused" in refusal[0] and "lacks einops" in refusal[0], refusal
     assert not (tmp_path / "out").exists() and time.monotonic() - t0 < 100
+
+
+def test_the_tensor_parallel_stage_runs_the_distributed_check_and_reads_its_verdict(monkeypatch) -> None:
+    """The stage's command is the check's (the smoke run at tiny sizes); its verdict line is what the summary
+    shows, a skip on a machine with fewer than 2 GPUs included."""
+    from beaconkv.distributed import check
+
+    command = gpu_check.tensor_parallel_command(argparse.Namespace(smoke=True, device="cpu"), "python")
+    assert command[:3] == ["python", "-m", "beaconkv.distributed.check"] and command[3:7] == ["--device", "cpu",
+                                                                                              "--ranks", "2"]
+    calls = []
+    monkeypatch.setattr(check, "run_check", lambda *a, **k: calls.append((a, k)) or True)
+    assert check.main(command[3:]) == 0
+    assert calls == [(("cpu", 2), {"max_new_tokens": 24, "threads": 1, "budget": 16})]
+    assert gpu_check.tensor_parallel_command(argparse.Namespace(smoke=False, device="cuda"))[-4:] == [
+        "--device", "cuda", "--ranks", "2"]
+    skipped = "tensor parallelism: skipped (1 GPU(s) here, 2 needed for NCCL over 2 ranks; ...)"
+    assert gpu_check._tensor_parallel_result(f"starting\n{skipped}\n") == skipped
+    assert "no verdict" in gpu_check._tensor_parallel_result("Traceback ...\n")

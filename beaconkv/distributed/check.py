@@ -66,13 +66,18 @@ def save_random_checkpoint(config: ModelConfig, directory: str | Path, seed: int
     return directory
 
 
-def run_check(device: str, ranks: int, log: Callable[[str], None] = print) -> bool:
-    """Generates with one process and with ``ranks`` ranks; True when every policy's tokens and kept positions match.
+def run_check(device: str, ranks: int, log: Callable[[str], None] = print, max_new_tokens: int = 96,
+              threads: int | None = None, budget: int = 64) -> bool:
+    """Generates with one process and with ``ranks`` ranks; True when every policy evicted and its tokens and kept
+    positions match.
 
     Args:
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, ranks on ``cuda:0 ..``).
         ranks: The tensor-parallel size.
         log: Where each line goes.
+        max_new_tokens: New tokens per prompt.
+        threads: torch CPU threads of every rank (None: torch's default).
+        budget: The policies' budget (64 evicts within 96 new tokens; the CPU rehearsal's 16 within 24).
     """
     import beaconkv
     from beaconkv import BeaconKV, HeadAdaptive, SnapKV
@@ -80,42 +85,48 @@ def run_check(device: str, ranks: int, log: Callable[[str], None] = print) -> bo
     from .group import backend_for
     from .launch import TensorParallelRun
 
-    policies = {"BeaconKV(64)": lambda: BeaconKV(64, telemetry=True),
-                "SnapKV(64)": lambda: SnapKV(64, telemetry=True),
-                "SnapKV(64, head_adaptive)": lambda: SnapKV(64, allocation=HeadAdaptive(), telemetry=True)}
+    policies = {f"BeaconKV({budget})": lambda: BeaconKV(budget, telemetry=True),
+                f"SnapKV({budget})": lambda: SnapKV(budget, telemetry=True),
+                f"SnapKV({budget}, head_adaptive)": lambda: SnapKV(budget, allocation=HeadAdaptive(), telemetry=True)}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, CHECK_CONFIG.vocab_size, (n,), generator=g).tolist() for n in (40, 17, 65)]
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         path = save_random_checkpoint(CHECK_CONFIG, tmp)
         whole = beaconkv.load_model(path, device=device)
-        want = {name: beaconkv.generate(whole, None, prompts, max_new_tokens=96, policy=make())
+        want = {name: beaconkv.generate(whole, None, prompts, max_new_tokens=max_new_tokens, policy=make())
                 for name, make in policies.items()}
         del whole
         t0 = time.perf_counter()
-        with TensorParallelRun(path, ranks, device=device) as run:
+        with TensorParallelRun(path, ranks, device=device, threads=threads) as run:
             log(f"tensor parallelism: {ranks} ranks on {device} ({backend_for(device)}) started in "
                 f"{time.perf_counter() - t0:.1f}s; {run.model.shard_plan.describe()}")
             for name, make in policies.items():
-                got = run.generate(None, prompts, max_new_tokens=96, policy=make())
+                got = run.generate(None, prompts, max_new_tokens=max_new_tokens, policy=make())
                 same_tokens = got.token_ids == want[name].token_ids
                 pairs = list(zip(got.telemetry, want[name].telemetry))
                 same_kept = len(got.telemetry) == len(want[name].telemetry) and all(
                     torch.equal(a.kept_positions, b.kept_positions) for a, b in pairs)
-                ok &= same_tokens and same_kept
+                evicted = len(got.telemetry) > 0  # no eviction: no kept positions compared, a check that proves little
+                ok &= same_tokens and same_kept and evicted
                 log(f"  {name}: tokens {'equal' if same_tokens else 'DIFFER'}, kept positions "
-                    f"{'equal' if same_kept else 'DIFFER'} over {len(got.telemetry)} layer evictions, "
+                    f"{'equal' if same_kept else 'DIFFER'} over {len(got.telemetry)} layer evictions"
+                    f"{'' if evicted else ' (NONE: raise --max-new-tokens or lower --budget)'}, "
                     f"{got.stats.tokens_per_s:.0f} tokens/s")
     return ok
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m beaconkv.distributed.check [--device cuda|cpu] [--ranks N]``; 0 when it passed or skipped."""
+    """``python -m beaconkv.distributed.check [--device cuda|cpu] [--ranks N] [--max-new-tokens N] [--threads N]``;
+    0 when it passed or skipped."""
     parser = argparse.ArgumentParser(prog="python -m beaconkv.distributed.check", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda: NCCL over the GPUs (default); cpu: gloo, every rank on this CPU")
     parser.add_argument("--ranks", type=int, default=2, help="tensor-parallel size (default 2; 4 replicates the KV "
                                                                 "heads)")
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (default 96)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads of every rank (default: torch's)")
+    parser.add_argument("--budget", type=int, default=64, help="the policies' budget (default 64)")
     args = parser.parse_args(argv)
     if args.device == "cuda":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -123,8 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tensor parallelism: skipped ({gpus} GPU(s) here, {args.ranks} needed for NCCL over {args.ranks} "
                   "ranks; the gloo tests of make test cover the CPU)")
             return 0
-    ok = run_check(args.device, args.ranks)
-    print("tensor parallelism: " + ("passed" if ok else "FAILED: the ranks disagree with one process"))
+    ok = run_check(args.device, args.ranks, max_new_tokens=args.max_new_tokens, threads=args.threads,
+                   budget=args.budget)
+    print("tensor parallelism: " + ("passed" if ok else "FAILED: the ranks disagree with one process, or no "
+                                    "eviction to compare (the lines above say which)"))
     return 0 if ok else 1
 
 

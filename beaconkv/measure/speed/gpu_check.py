@@ -10,17 +10,21 @@ A lent GPU comes for a few minutes and one call; this runs, in order:
    batching against static batches, BeaconKV against FullKV (:mod:`.engine_bench`, random prompt ids);
 3. ``cuda_tests`` — the tests marked ``cuda`` (transformers parity, recorded CUDA graphs and inductor against
    eager, every policy under CUDA's sync debug mode), on 8 pytest workers where pytest-xdist is installed;
-4. ``graph_vs_compile`` — the recorded CUDA graphs against inductor's compiled shapes on the SmolLM2-135M shape
+4. ``tensor_parallel`` — ``python -m beaconkv.distributed.check``: a random Qwen3 generated in one process and over
+   2 ranks with NCCL (gloo with ``--device cpu``), tokens and kept positions compared for three policies; with
+   fewer than 2 GPUs it says it skipped tensor parallelism (the stage's status and the summary say so too);
+5. ``graph_vs_compile`` — the recorded CUDA graphs against inductor's compiled shapes on the SmolLM2-135M shape
    (:mod:`.graph_decode`): whether inductor beats the default; its cold compiles take minutes, so the default
    deadline leaves no room for it.
 
 Each stage runs in a process of its own (a CUDA error or an out-of-memory cannot spoil the next one), prints its
 lines as soon as they exist and writes its JSON under the output folder (``table4.json``, ``engine.json``,
-``cuda_tests.json``, ``graph_vs_compile.json``; ``gpu_check.json`` sums up). Before a stage starts, its estimated
-time is compared with what the deadline (``--deadline-s``, default 450 s from the script's start) leaves: a stage
-that would not fit prints ``skipped: would need ~N s, M s left``; inside ``table4`` every measurement is checked
-the same way, the largest-batch ones against the time the later stages need; a stage still running at the deadline
-is stopped. A stage whose packages are missing is skipped with their names (this installs nothing).
+``cuda_tests.json``, ``tensor_parallel.json``, ``graph_vs_compile.json``; ``gpu_check.json`` sums up). Before a
+stage starts, its estimated time is compared with what the deadline (``--deadline-s``, default 450 s from the
+script's start) leaves: a stage that would not fit prints ``skipped: would need ~N s, M s left``; inside
+``table4`` every measurement is checked the same way, the largest-batch ones against the time the later stages
+need; a stage still running at the deadline is stopped. A stage whose packages are missing is skipped with their
+names (this installs nothing).
 
 ``--device cpu --smoke`` runs the same stages, order and deadline logic at tiny shapes on a CPU (the recorded
 graphs through :class:`~beaconkv.execution.OpReplayRecorder`); ``make test`` runs it (``tests/test_gpu_check.py``).
@@ -46,9 +50,10 @@ from typing import Any
 
 __all__ = ["CUDA_TEST_FILES", "DEFAULT_DEADLINE_S", "OPTIONAL", "STAGES", "STAGE_PACKAGES", "StagePlan",
            "build_parser", "cuda_tests_command", "main", "orchestrate", "run_engine_stage",
-           "run_graph_vs_compile_stage", "run_table4_stage", "stage_estimate", "stage_plans"]
+           "run_graph_vs_compile_stage", "run_table4_stage", "stage_estimate", "stage_plans",
+           "tensor_parallel_command"]
 
-STAGES = ("table4", "engine", "cuda_tests", "graph_vs_compile")
+STAGES = ("table4", "engine", "cuda_tests", "tensor_parallel", "graph_vs_compile")
 """The stages, in the order they run."""
 DEFAULT_DEADLINE_S = 450.0
 """Seconds from the script's start to the end of the last stage (a device call allows 8 minutes)."""
@@ -60,7 +65,8 @@ CUDA_TEST_FILES = ("tests/test_compile.py", "tests/execution/test_sync.py", "tes
 OPTIONAL = frozenset({"graph_vs_compile"})
 """Stages that run only with time to spare: no earlier stage keeps time for them."""
 STAGE_PACKAGES = {"table4": ("torch", "numpy"), "engine": ("torch", "numpy"),
-                  "cuda_tests": ("pytest", "hypothesis", "transformers"), "graph_vs_compile": ("torch",)}
+                  "cuda_tests": ("pytest", "hypothesis", "transformers"), "tensor_parallel": ("torch", "safetensors"),
+                  "graph_vs_compile": ("torch",)}
 """What each stage imports beyond beaconkv's own dependencies."""
 
 
@@ -94,10 +100,11 @@ def stage_estimate(name: str, device: str, smoke: bool, xdist: bool = True) -> f
         xdist: pytest-xdist is installed (the CUDA tests run on 8 workers).
     """
     if smoke:
-        return {"table4": 20.0, "engine": 30.0, "cuda_tests": 45.0, "graph_vs_compile": 60.0}[name]
+        return {"table4": 20.0, "engine": 30.0, "cuda_tests": 45.0, "tensor_parallel": 40.0,
+                "graph_vs_compile": 60.0}[name]
     if name == "cuda_tests":
         return 120.0 if xdist else 420.0
-    return {"table4": 120.0, "engine": 100.0, "graph_vs_compile": 300.0}[name]
+    return {"table4": 120.0, "engine": 100.0, "tensor_parallel": 60.0, "graph_vs_compile": 300.0}[name]
 
 
 def stage_plans(names: Sequence[str], device: str, smoke: bool) -> list[StagePlan]:
@@ -218,6 +225,19 @@ def cuda_tests_command(args: argparse.Namespace, python: str = sys.executable) -
     return [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", *workers, *files]
 
 
+def tensor_parallel_command(args: argparse.Namespace, python: str = sys.executable) -> list[str]:
+    """The command of the ``tensor_parallel`` stage: :mod:`beaconkv.distributed.check` over 2 ranks (the smoke run:
+    24 new tokens at budget 16, one thread per rank)."""
+    smoke = ["--max-new-tokens", "24", "--budget", "16", "--threads", "1"] if args.smoke else []
+    return [python, "-m", "beaconkv.distributed.check", "--device", args.device, "--ranks", "2", *smoke]
+
+
+def _tensor_parallel_result(output: str) -> str:
+    """The check's verdict line (``tensor parallelism: passed`` / ``skipped (...)`` / ``FAILED: ...``)."""
+    lines = [line.strip() for line in output.splitlines() if line.startswith("tensor parallelism: ")]
+    return lines[-1] if lines else "tensor parallelism: no verdict (see tensor_parallel.log)"
+
+
 # --------------------------------------------------------------------------------------------- driver
 def _stream(command: list[str], log_path: Path, timeout_s: float, env: dict[str, str]) -> tuple[int | str, str]:
     """Runs ``command`` with its lines printed as they come (and kept in ``log_path``); stops it at ``timeout_s``
@@ -260,6 +280,8 @@ def _run_stage_process(args: argparse.Namespace, name: str, timeout_s: float,
            "PYTHONUNBUFFERED": "1"}
     if name == "cuda_tests":
         return _stream(cuda_tests_command(args), args.out / f"{name}.log", timeout_s, env)
+    if name == "tensor_parallel":
+        return _stream(tensor_parallel_command(args), args.out / f"{name}.log", timeout_s, env)
     command = [sys.executable, "-m", "beaconkv.measure.speed.gpu_check", "--stage", name, "--device", args.device,
                "--out", str(args.out), "--reserve-s", str(reserve_s)]
     if args.deadline_at is not None:
@@ -291,6 +313,9 @@ def _summary(args: argparse.Namespace, report: dict[str, Any]) -> None:
     counts = read("cuda_tests").get("counts")
     if counts:
         print("  tests: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    verdict = read("tensor_parallel").get("result")
+    if verdict:
+        print(f"  {verdict}")
     print(f"  total {report['wall_s']:.0f} s of a {args.deadline_s:.0f} s deadline; output in {args.out}")
 
 
@@ -338,6 +363,13 @@ def orchestrate(args: argparse.Namespace) -> int:
         entry["status"] = "ok" if status == 0 else ("stopped at the deadline" if status == "timeout"
                                                      else f"FAILED (exit {status})")
         failed |= status != 0
+        if plan.name == "tensor_parallel":
+            verdict = _tensor_parallel_result(output)
+            if status == 0 and verdict.startswith("tensor parallelism: skipped"):
+                entry["status"] = verdict.removeprefix("tensor parallelism: ")  # fewer GPUs than ranks
+            (args.out / "tensor_parallel.json").write_text(json.dumps(
+                {"status": entry["status"], "command": tensor_parallel_command(args), "result": verdict,
+                 "wall_s": entry["wall_s"]}, indent=1))
         if plan.name == "cuda_tests":
             counts = _pytest_summary(output)
             (args.out / "cuda_tests.json").write_text(json.dumps(
@@ -382,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         return orchestrate(args)
     runners = {"table4": run_table4_stage, "engine": run_engine_stage, "graph_vs_compile": run_graph_vs_compile_stage}
     if args.stage not in runners:
-        parser.error(f"--stage {args.stage} runs through pytest, not here")
+        parser.error(f"--stage {args.stage} runs its own command (pytest, beaconkv.distributed.check), not here")
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
