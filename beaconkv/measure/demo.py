@@ -41,21 +41,21 @@ from ..tokenizer import Tokenizer, load_tokenizer
 __all__ = ["DEMO_COMPILE_ESTIMATE_S", "DEMO_DEFAULTS", "DEMO_PROMPT", "DemoRun", "compile_estimate", "demo_table",
            "final_answer", "rate_text", "run_demo", "token_agreement", "warnings_summary"]
 
-#: The demo's question: a word problem that invites step-by-step reasoning.
 DEMO_PROMPT = (
     "A farmer has 17 sheep. All but 9 run away. How many sheep does the farmer have left? "
     "Think step by step, then give the final answer."
 )
+"""The demo's question: a word problem that invites step-by-step reasoning."""
 
-#: ``beaconkv demo``'s defaults: at its budget (``WORKLOAD_BUDGETS["demo"]``, 64, where ``--n-recent auto``
-#: is 8, the 8-token eviction step), 320 new tokens past the protected prompt evict 32 times.
 DEMO_DEFAULTS = {"budget": WORKLOAD_BUDGETS["demo"], "max_new_tokens": 320}
+"""``beaconkv demo``'s defaults: at its budget (``WORKLOAD_BUDGETS["demo"]``, 64, where ``--n-recent auto``
+is 8, the 8-token eviction step), 320 new tokens past the protected prompt evict 32 times."""
 
-#: Seconds the demo's compiles of the embedded model's decode step took on this project's 2-core CPU
-#: (inductor, float32, 2 threads) with an empty (``cold``) and a filled (``warm``) inductor cache:
-#: BeaconKV's cache size first, then FullKV's. The demo announces these until it has timed a compile
-#: on the machine it runs on, then the time it measured.
 DEMO_COMPILE_ESTIMATE_S = {"decode": {"cold": 55.0, "warm": 15.0}, "decode-fullkv": {"cold": 40.0, "warm": 15.0}}
+"""Seconds the demo's compiles of the embedded model's decode step took on this project's 2-core CPU
+(inductor, float32, 2 threads) with an empty (``cold``) and a filled (``warm``) inductor cache:
+BeaconKV's cache size first, then FullKV's. The demo announces these until it has timed a compile
+on the machine it runs on, then the time it measured."""
 
 
 TOO_SHORT = "too short to time"

@@ -341,6 +341,11 @@ def check_prompt(ids: Sequence[int], param: str, engine: Engine) -> None:
 
 
 def refuse_unsupported(body: BaseModel) -> None:
+    """Refuses a field of :data:`REFUSED_FIELDS` set to anything but its "off" value (HTTP 400, ``unsupported``).
+
+    Raises:
+        APIError: The first such field, naming the values it may take.
+    """
     for name, off in REFUSED_FIELDS.items():
         if name not in type(body).model_fields:
             continue
