@@ -31,7 +31,7 @@ class DecodeSetup:
             :class:`~beaconkv.storage.KVStorage` class.
         cache_dtype: Dtype a dense storage keeps keys and values in (None: the model's).
         kernels: Matmul kernels: ``"auto"``, ``"model"``, ``"packed"`` or ``"bf16w"``
-            (:func:`~beaconkv.models.cpu_linear.choose_kernels`).
+            (:func:`~beaconkv.kernels.choice.choose_kernels`).
         compile: Run the decode step and the policy's device work as graphs (``True`` or a
             :class:`~beaconkv.execution.CompileConfig`).
         prefill_chunk: Prefill prompts longer than this in chunks, the policy evicting between them

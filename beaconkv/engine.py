@@ -243,7 +243,7 @@ class Engine:
         kv_storage: ``"dense"``, ``"int8"`` or a :class:`~beaconkv.storage.KVStorage` class.
         cache_dtype: Dtype a dense storage keeps keys and values in (None: the model's).
         kernels: Matmul kernels of the pool's steps: ``"auto"``, ``"model"``, ``"packed"`` or ``"bf16w"``
-            (see :func:`~beaconkv.models.cpu_linear.choose_kernels`; for pools of 4+ slots on a CPU
+            (see :func:`~beaconkv.kernels.choice.choose_kernels`; for pools of 4+ slots on a CPU
             without native bfloat16, ``"auto"`` runs a bf16 model's weights with fp32 arithmetic and
             prepacks an fp32 model's linears, where that makes batching pay).
         compile: Compile the decode step and the policy's device work.

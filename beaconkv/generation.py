@@ -282,7 +282,7 @@ def generate(
             sequence's slot is taken by the next prompt (continuous batching).
         kernels: Matmul kernels: ``"auto"`` (default; when 4+ sequences decode together on a CPU
             without native bfloat16, the bf16 weights with fp32 arithmetic for a bf16 model, else
-            oneDNN-prepacked fp32 linears; see :func:`~beaconkv.models.cpu_linear.choose_kernels`),
+            oneDNN-prepacked fp32 linears; see :func:`~beaconkv.kernels.choice.choose_kernels`),
             ``"model"``, ``"packed"`` or ``"bf16w"``.
         chat_template_kwargs: Options of the chat template, e.g. ``{"enable_thinking": False}`` for Qwen3.
         prefill_chunk: Prefill prompts longer than this in chunks of this many tokens, the policy evicting

@@ -23,7 +23,7 @@ import torch
 
 from .decode_setup import DecodeSetup
 from .execution import CompileConfig, resolve_compile_config
-from .models.cpu_linear import KernelChoice, choose_kernels
+from .kernels.choice import KernelChoice, choose_kernels
 from .models.decoder import CausalLM
 from .storage import KVStorage
 
@@ -78,7 +78,7 @@ def prepare_model(
         setup: The runtime options as one value (or the keywords below, not both; see
             :meth:`~beaconkv.decode_setup.DecodeSetup.of`).
         kernels: ``"auto"``, ``"model"``, ``"packed"`` or ``"bf16w"``
-            (see :func:`~beaconkv.models.cpu_linear.choose_kernels`).
+            (see :func:`~beaconkv.kernels.choice.choose_kernels`).
         kv_storage: The cache's storage (a dense cache of a copy keeps the caller's dtype).
         cache_dtype: The caller's cache dtype (None: the caller's model dtype).
         compile: The caller's compile setting.
@@ -89,7 +89,7 @@ def prepare_model(
 
     Raises:
         ValueError: An unknown ``kernels``, or ``"bf16w"`` for a model whose weights are not bf16.
-        beaconkv.models.cpu_linear.PackingError: ``"packed"`` where packing is impossible.
+        beaconkv.kernels.packed.PackingError: ``"packed"`` where packing is impossible.
         beaconkv.kernels.build.KernelBuildError: ``"bf16w"`` where the kernel cannot be built.
         TypeError: ``compile`` is neither a bool nor a :class:`~beaconkv.execution.CompileConfig`.
     """

@@ -1,7 +1,7 @@
 """Times all the linears of one decode step of a bf16 model with the ``bf16w`` kernel, per row count.
 
 Every ``nn.Linear`` of the model (all layers and the LM head) is multiplied by ``rows`` float32 rows
-with :func:`beaconkv.models.bf16w.bf16w_linear`, in the model's order, so each weight is read from
+with :func:`beaconkv.kernels.bf16w.bf16w_linear`, in the model's order, so each weight is read from
 memory as in a real step. Prints the best of ``--repeats`` passes per row count and the row-tokens per
 second the linears alone allow: the ceiling of a decode step of that many rows on this CPU.
 
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from beaconkv.models.bf16w import bf16w_linear, bf16w_status
+from beaconkv.kernels.bf16w import bf16w_linear, bf16w_status
 from beaconkv.models.embedded import embedded_model_path
 from beaconkv.models.loading import load_model
 

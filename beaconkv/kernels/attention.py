@@ -1,12 +1,12 @@
 """Decode attention of float32 queries over a bfloat16 cache, without widening the cache first.
 
 A session that computes in float32 on a bf16 model (the ``bf16w`` kernels of
-:mod:`beaconkv.models.cpu_linear`) keeps its dense cache in bf16, so the cache costs what the caller
+:mod:`beaconkv.kernels.choice`) keeps its dense cache in bf16, so the cache costs what the caller
 sized. PyTorch's attention needs one dtype, so every step would first widen each layer's whole cache
 to float32: write twice its bytes and read them again. ``beaconkv_cpu::mixed_attention`` reads the
 bf16 keys and values once, widening them in registers, and computes the logits, the masked softmax
-and the weighted sum of values in float32. :class:`~beaconkv.storage.DenseKV` calls it where
-:func:`mixed_attention_applies`.
+and the weighted sum of values in float32. :class:`~beaconkv.storage.DenseKV` calls it
+(:func:`mixed_attention_op`) where :func:`mixed_attention_applies`.
 """
 
 from __future__ import annotations
@@ -48,4 +48,14 @@ def mixed_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float)
     reason = kernels_status()
     if reason is not None:
         raise KernelBuildError(f"the CPU kernels are unavailable: {reason}. Use a cache in the compute dtype.")
+    return torch.ops.beaconkv_cpu.mixed_attention(q, k, v, mask, scale)
+
+
+def mixed_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """The operator of :func:`mixed_attention` itself, without the build check.
+
+    For a caller that asked :func:`mixed_attention_applies` once, when it was built: a compiled decode step
+    cannot trace the check, and the operator is then known to be loaded. Arguments and result as
+    :func:`mixed_attention`.
+    """
     return torch.ops.beaconkv_cpu.mixed_attention(q, k, v, mask, scale)

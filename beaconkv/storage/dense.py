@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ..inplace import scatter_
-from ..kernels.attention import mixed_attention_applies
+from ..kernels.attention import mixed_attention_applies, mixed_attention_op
 from .base import KVStorage, StorageError, gather_slots, put_front, token_index
 
 
@@ -69,9 +69,8 @@ class DenseKV(KVStorage):
 
     def attend(self, q: Tensor, mask: Tensor, scale: float, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
         if self.mixed and not need_weights and q.dtype == self.dtype:
-            # the operator itself (mixed_attention() checks the build, which a compiled step cannot trace;
-            # self.mixed says it is loaded)
-            return torch.ops.beaconkv_cpu.mixed_attention(q, self.k, self.v, mask, scale), None
+            # self.mixed says the kernel is loaded (a compiled step cannot trace the build check)
+            return mixed_attention_op(q, self.k, self.v, mask, scale), None
         return super().attend(q, mask, scale, need_weights)
 
     def compact(self, rows: Tensor, keep: Tensor) -> None:

@@ -8,7 +8,7 @@ norms, projections, MLPs and the LM head run once over ``runs x traces`` rows wh
 attention reads and writes its own cache. ``stack=False`` decodes each run on its own (the literal
 generation call); a test checks both give the same logits.
 
-On a CPU the shared pass runs with oneDNN-prepacked linear weights (:func:`~beaconkv.models.cpu_linear.prepack`):
+On a CPU the shared pass runs with oneDNN-prepacked linear weights (:func:`~beaconkv.kernels.packed.prepack`):
 its dozens of rows per step are exactly the small-M matrix products the BLAS handles worst.
 
 The FullKV reference's decode attention (the recall's ground truth) is captured by an observer of each
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ...cache_stack import CacheStack
-from ...models.cpu_linear import packing_available, prepack
+from ...kernels.packed import packing_available, prepack
 from ...models.decoder import CausalLM
 from ...observation import LayerObserver
 from ...policies.base import EvictionPolicy, FullKV

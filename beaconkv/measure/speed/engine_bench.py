@@ -34,15 +34,15 @@ import torch
 
 from ...engine import Completion, Engine, Request
 from ...execution import CompileConfig
-from ...models.bf16w import bf16w_available
-from ...models.cpu_linear import KERNEL_LABELS, KERNELS
+from ...kernels.bf16w import bf16w_available
+from ...kernels.choice import KERNEL_LABELS, KERNELS
 from ...models.decoder import CausalLM
 from ...models.loading import load_model
 from ...models.random_weights import RANDOM_SHAPES, random_model
-from ..fidelity.study import auto_n_recent
 from ...paths import benchmark_file, traces_path
 from ...policies.registry import make_policy
 from ...tokenizer import Tokenizer, load_tokenizer
+from ..fidelity.study import auto_n_recent
 from .machine import DTYPES, BenchError, kv_bytes_per_token
 from .throughput import load_hf_model
 
@@ -192,7 +192,7 @@ def run_engine_mode(model: CausalLM, tokenizer: Tokenizer | None, policy_name: s
                     compile_config: CompileConfig | None, kv_storage: str = "dense", kernels: str = "auto") -> EngineRow:
     """The workload through one engine; ``static`` admits a batch only when the previous one finished.
 
-    ``kernels`` is the engine's matmul choice (see :func:`~beaconkv.models.cpu_linear.choose_kernels`).
+    ``kernels`` is the engine's matmul choice (see :func:`~beaconkv.kernels.choice.choose_kernels`).
     """
     policy = make_policy(policy_name, **policy_settings(budget))
     engine = Engine(model, tokenizer, policy=policy, max_batch=slots, prompt_capacity=max(map(len, prompts)),

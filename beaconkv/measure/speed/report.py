@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...models.cpu_linear import KERNEL_LABELS
+from ...kernels.choice import KERNEL_LABELS
 from .table4 import markdown_table4
 
 

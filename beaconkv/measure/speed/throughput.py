@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ...execution import CompileConfig
-from ...models.cpu_linear import KERNEL_LABELS
+from ...kernels.choice import KERNEL_LABELS
 from ...models.decoder import CausalLM
 from ...models.loading import load_model
 from .machine import (
@@ -44,7 +44,7 @@ class ThroughputRow:
         roofline: ``gb_per_s`` / the measured streaming bandwidth.
         kernels: The matmul kernels beaconkv chose (``"model"``, ``"packed"``: oneDNN-prepacked fp32
             linears, or ``"bf16w"``: bf16 weights with fp32 arithmetic; see
-            :func:`~beaconkv.models.cpu_linear.choose_kernels`); ``"model"`` for transformers.
+            :func:`~beaconkv.kernels.choice.choose_kernels`); ``"model"`` for transformers.
         error: Why the implementation could not run (then the figures are NaN).
     """
 

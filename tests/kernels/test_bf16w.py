@@ -8,9 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import beaconkv
-from beaconkv.models import cpu_linear
-from beaconkv.models.bf16w import BF16WLinear, bf16w_available, bf16w_linear, bf16w_status
-from beaconkv.models.cpu_linear import PACK_MIN_ROWS, bf16w_copy, choose_kernels, with_bf16w_linears
+from beaconkv.kernels import choice as kernel_choice
+from beaconkv.kernels.bf16w import (
+    BF16WLinear,
+    bf16w_available,
+    bf16w_linear,
+    bf16w_status,
+    with_bf16w_linears,
+)
+from beaconkv.kernels.choice import PACK_MIN_ROWS, bf16w_copy, choose_kernels
 
 needs_kernel = pytest.mark.skipif(not bf16w_available(), reason=f"no bf16-weight kernel here: {bf16w_status(False)}")
 
@@ -89,7 +95,7 @@ def test_compiled_bf16w_decoding_matches_eager(bf16_llama):
 
 @needs_kernel
 def test_auto_runs_bf16w_for_a_wide_bf16_batch_and_packs_fp32(bf16_llama, tiny_models, monkeypatch):
-    monkeypatch.setattr(cpu_linear, "native_bf16_matmuls", lambda: False)  # the AVX2 branch, on any CPU
+    monkeypatch.setattr(kernel_choice, "native_bf16_matmuls", lambda: False)  # the AVX2 branch, on any CPU
     wide = choose_kernels(bf16_llama, PACK_MIN_ROWS)
     assert wide.kernels == "bf16w" and "widened to fp32" in wide.reason
     assert choose_kernels(bf16_llama, PACK_MIN_ROWS - 1).kernels == "model"

@@ -6,16 +6,10 @@ import pytest
 import torch
 
 import beaconkv
-from beaconkv.models import cpu_linear
-from beaconkv.models.bf16w import bf16w_available
-from beaconkv.models.cpu_linear import (
-    PACK_MIN_ROWS,
-    PackedLinear,
-    choose_kernels,
-    packed_copy,
-    packing_available,
-    prepack,
-)
+from beaconkv.kernels import choice as kernel_choice
+from beaconkv.kernels.bf16w import bf16w_available
+from beaconkv.kernels.choice import PACK_MIN_ROWS, choose_kernels, packed_copy
+from beaconkv.kernels.packed import PackedLinear, packing_available, prepack
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN packing")
 auto_packs = pytest.mark.usefixtures("emulated_bf16")  # the AVX2 branch of 'auto', on any CPU
@@ -26,11 +20,11 @@ def emulated_bf16(monkeypatch):
     """'auto' as on a CPU without native bfloat16 (AVX2): the branch that packs, whatever this CPU has."""
     if not packing_available():
         pytest.skip("this PyTorch has no oneDNN packing")
-    monkeypatch.setattr(cpu_linear, "native_bf16_matmuls", lambda: False)
+    monkeypatch.setattr(kernel_choice, "native_bf16_matmuls", lambda: False)
 
 
 def test_auto_keeps_the_models_kernels_on_a_cpu_with_native_bf16(llama, monkeypatch):
-    monkeypatch.setattr(cpu_linear, "native_bf16_matmuls", lambda: True)
+    monkeypatch.setattr(kernel_choice, "native_bf16_matmuls", lambda: True)
     choice = choose_kernels(llama, 64)
     assert (choice.kernels, choice.model) == ("model", llama) and "native bfloat16" in choice.reason
 
@@ -104,3 +98,16 @@ def test_the_engine_and_its_session_run_the_one_prepared_model(llama):
     assert engine.model is engine.session.model is engine.prepared.model is not llama
     plain = beaconkv.Engine(llama, max_batch=PACK_MIN_ROWS, prompt_capacity=8, max_new_tokens=4, kernels="model")
     assert plain.model is plain.session.model is llama and plain.prepared.kernels == "model"
+
+
+@pytest.mark.parametrize("old, new, name", [("beaconkv.models.cpu_linear", "beaconkv.kernels.choice", "choose_kernels"),
+                                            ("beaconkv.models.cpu_linear", "beaconkv.kernels.packed", "prepack"),
+                                            ("beaconkv.models.bf16w", "beaconkv.kernels.bf16w", "BF16WLinear")])
+def test_the_former_module_paths_warn_and_give_the_same_objects(old, new, name):
+    import importlib
+    import sys
+
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        module = importlib.import_module(old)
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
