@@ -23,7 +23,7 @@ The attention ↔ cache contract (what :class:`~beaconkv.models.attention.Attent
 any replacement attention must call to keep every policy working) is declared once, as the protocol
 :class:`LayerCache`; :class:`ModelCache` is the per-model sequence of them the decoder takes. Every
 cache-like class implements it: :class:`LayerKVCache`, the prefill view :class:`LayerRows`, and
-:class:`~beaconkv.cache_stack.LayerStack`:
+:class:`~beaconkv.measure.fidelity.cache_stack.LayerStack`:
 
 1. prefill: :meth:`LayerKVCache.write_prefill` with the prompt's post-RoPE keys and values;
 2. decode: :meth:`LayerKVCache.append` with the step's key and value, then :meth:`LayerKVCache.attend`

@@ -5,7 +5,7 @@ decode step (BeaconKV, SnapKV, RPC, R-KV), the decode attention weights (H2O). N
 cache's business — the cache (:mod:`beaconkv.cache`) only stores keys and values. Attention calls the
 layer's observer explicitly, right after its cache call, and the observer belongs to whoever watches:
 a policy (:class:`~beaconkv.policies.observer.ObservedLayer`, created with the policy's state), a
-measurement that records the weights, or a stack of them (:class:`~beaconkv.cache_stack.CacheStack`).
+measurement that records the weights, or a stack of them (:class:`~beaconkv.measure.fidelity.cache_stack.CacheStack`).
 
 The calls, made by :class:`~beaconkv.models.attention.Attention` (a replacement attention makes the
 same ones):

@@ -8,7 +8,7 @@ from torch import Tensor
 
 import beaconkv
 from beaconkv.cache import CacheCapacityError, KVCache, LayerCache, LayerKVCache, LayerRows, ModelCache
-from beaconkv.cache_stack import CacheStack, LayerStack
+from beaconkv.measure.fidelity.cache_stack import CacheStack, LayerStack
 
 
 def _cache(batch=2, capacity=16) -> KVCache:
@@ -75,3 +75,13 @@ def test_a_cache_of_ones_own_runs_the_model_through_the_declared_contract(tiny_m
         b = model.decode_step(token, torch.tensor([position]), theirs)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         token = a.argmax(-1)
+
+
+def test_the_former_cache_stack_path_warns_and_gives_the_same_classes():
+    import importlib
+    import sys
+
+    sys.modules.pop("beaconkv.cache_stack", None)
+    with pytest.warns(DeprecationWarning, match=r"beaconkv\.measure\.fidelity\.cache_stack"):
+        old = importlib.import_module("beaconkv.cache_stack")
+    assert (old.CacheStack, old.LayerStack) == (CacheStack, LayerStack)

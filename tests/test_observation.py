@@ -10,7 +10,7 @@ from torch import Tensor
 import beaconkv
 from beaconkv import CompileConfig
 from beaconkv.cache import CacheCapacityError, KVCache
-from beaconkv.cache_stack import CacheStack
+from beaconkv.measure.fidelity.cache_stack import CacheStack
 from beaconkv.measure.fidelity.lockstep import WeightCapture
 from beaconkv.observation import LayerObserver, ModelObserver
 from beaconkv.policies import H2O, BeaconKV, PolicyDriver, SnapKV

@@ -6,9 +6,9 @@ per run, the model's public ``prefill``/``decode_step`` — once with FullKV (th
 per policy and budget, all in lock-step (:class:`LockStep`). At every decode step we compare the
 next-token distributions (KL, top-1) and the attention recall of global and local queries.
 
-Modules: :mod:`.traces` (what is forced), :mod:`.metrics` (per-step measures), :mod:`.lockstep` (the
-runs), :mod:`.study` (the policy x budget grid and its rows), :mod:`.report` (CSV, markdown, plots),
-:mod:`.cli` (``beaconkv fidelity``).
+Modules: :mod:`.traces` (what is forced), :mod:`.metrics` (per-step measures), :mod:`.cache_stack`
+(several caches driven as one batch), :mod:`.lockstep` (the runs), :mod:`.study` (the policy x budget grid
+and its rows), :mod:`.report` (CSV, markdown, plots), :mod:`.cli` (``beaconkv fidelity``).
 """
 
 from .errors import FidelityError

@@ -3,7 +3,7 @@
 Every run is a :class:`~beaconkv.session.Session` — the same cache allocation, policy state and
 lifecycle as :func:`beaconkv.generate` — and all runs decode through the model's *public* path
 (``model.prefill`` / ``model.decode_step``). With ``stack=True`` (default) they share one pass
-through the dense layers: the runs' caches form a :class:`~beaconkv.cache_stack.CacheStack`, so
+through the dense layers: the runs' caches form a :class:`~beaconkv.measure.fidelity.cache_stack.CacheStack`, so
 norms, projections, MLPs and the LM head run once over ``runs x traces`` rows while every run's
 attention reads and writes its own cache. ``stack=False`` decodes each run on its own (the literal
 generation call); a test checks both give the same logits.
@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...cache_stack import CacheStack
 from ...kernels.packed import packing_available, prepack
 from ...models.decoder import CausalLM
 from ...observation import LayerObserver
 from ...policies.base import EvictionPolicy, FullKV
 from ...session import Session, pad_prompts
 from ...storage import KVStorage
+from .cache_stack import CacheStack
 from .errors import FidelityError
 
 
