@@ -32,6 +32,10 @@ the next requests). :meth:`Engine.step` itself does not raise for a request's fa
 
 The engine is driven from one thread (:meth:`Engine.step`, :meth:`Engine.run`); :meth:`Engine.submit`
 and :meth:`Engine.cancel` may be called from others (the HTTP server does).
+
+What a request is and gets back (:class:`~beaconkv.engine_requests.Request`,
+:class:`~beaconkv.engine_requests.Completion`, ...; importable from here too) is
+:mod:`beaconkv.engine_requests`; admission (prefill and first token) is :mod:`beaconkv.engine_admission`.
 """
 
 from __future__ import annotations
@@ -48,160 +52,32 @@ import torch
 from torch import Tensor
 
 from .decode_setup import DecodeSetup
-from .detokenize import IncrementalDetokenizer
-from .errors import BeaconKVError
+from .engine_admission import EngineAdmission
+from .engine_requests import (  # noqa: F401 - importable from here as before
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    Completion,
+    EngineError,
+    Event,
+    QueueFullError,
+    Request,
+    RunningRequest,
+    TokenLogprob,
+    check_request,
+)
 from .execution import CompileConfig
 from .models.decoder import CausalLM
 from .policies.base import EvictionPolicy, FullKV
 from .preparation import prepare_model
-from .sampling import RowSampling, SamplingParams, sample_rows
+from .sampling import RowSampling, SamplingParams
 from .session import Session
 from .storage import KVStorage
 from .tokenizer import Tokenizer
 
+__all__ = ["Completion", "Engine", "EngineError", "EngineStats", "Event", "QueueFullError", "Request", "TokenLogprob"]
 
 logger = logging.getLogger("beaconkv.engine")
 """Where the engine logs the failure of a request (with its traceback)."""
-
-MAX_STOP_STRINGS = 16
-"""Most stop strings one request may have (each is looked for after every token)."""
-MAX_STOP_CHARS = 1024
-"""Longest stop string, in characters."""
-
-
-class EngineError(BeaconKVError, ValueError):
-    """A request the engine cannot take (a prompt longer than a slot holds, bad parameters)."""
-
-
-class QueueFullError(BeaconKVError, RuntimeError):
-    """The waiting queue is at its limit; retry later.
-
-    Attributes:
-        retry_after_s: A hint of when a slot may be free (seconds).
-    """
-
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-@dataclass
-class Request:
-    """One generation request.
-
-    Attributes:
-        prompt: Prompt token ids (already rendered with a chat template if wanted).
-        max_new_tokens: Most new tokens.
-        sampling: Temperature, top-p, top-k, logit bias, penalties and log-probabilities (greedy by default).
-        seed: Seeds this request's own noise generator (None: the engine's seed sequence).
-        eos_token_ids: Ids that end the request (included in its tokens); None: the tokenizer's.
-        stop: Strings that end the request; the text ends before the first one (needs a tokenizer; at most
-            :data:`MAX_STOP_STRINGS` of at most :data:`MAX_STOP_CHARS` characters).
-        on_event: Called with every :class:`Event` of this request (streaming), on the engine's thread.
-        tag: Anything the caller wants back in the :class:`Completion`.
-    """
-
-    prompt: Sequence[int]
-    max_new_tokens: int = 256
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    seed: int | None = None
-    eos_token_ids: Sequence[int] | None = None
-    stop: Sequence[str] = ()
-    on_event: Callable[[Event], None] | None = None
-    tag: object = None
-
-
-@dataclass
-class TokenLogprob:
-    """The model's log-probabilities at one generated token (raw logits: before bias, penalties, temperature).
-
-    Attributes:
-        token_id: The chosen token.
-        logprob: Its log-probability.
-        top: The ``k`` most likely tokens (``k`` = the request's ``sampling.logprobs``) as
-            ``(token id, log-probability)`` pairs, most likely first.
-    """
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class Completion:
-    """A finished request.
-
-    Attributes:
-        request_id: The id :meth:`Engine.submit` returned.
-        token_ids: New tokens (ending with the end-of-sequence id when that ended it).
-        text: Their text (special tokens skipped; cut before a stop string).
-        finish_reason: ``"stop"`` (end-of-sequence id or stop string), ``"length"``, ``"cancelled"``, or
-            ``"error"`` (the request failed; see ``error``).
-        prompt_tokens: Prompt length.
-        evictions: Evictions of its slot while it ran.
-        queued_s: Seconds from submit to admission.
-        time_to_first_token_s: Seconds from submit to its first token.
-        wall_s: Seconds from submit to the end.
-        slot: The slot it ran in (-1: never admitted).
-        tag: The request's ``tag``.
-        logprobs: One entry per new token when the request asked for ``sampling.logprobs`` (else None).
-        error: Why the request failed (``finish_reason == "error"``), else None.
-        exception: The exception that made it fail, when there was one (:func:`beaconkv.generate` raises it
-            again: a library call fails loudly, where a server answers the one request with an error).
-    """
-
-    request_id: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    evictions: int
-    queued_s: float
-    time_to_first_token_s: float
-    wall_s: float
-    slot: int
-    tag: object = None
-    logprobs: list[TokenLogprob] | None = None
-    error: str | None = None
-    exception: BaseException | None = field(default=None, repr=False, compare=False)
-
-
-@dataclass
-class Event:
-    """What one step produced for one request.
-
-    Attributes:
-        request_id: The request.
-        token_id: The new token (None for a cancellation or a failure).
-        text: The new text it completes (may be empty).
-        completion: Set when this event ends the request.
-        logprob: The new token's log-probabilities, when the request asked for them.
-    """
-
-    request_id: int
-    token_id: int | None
-    text: str
-    completion: Completion | None = None
-    logprob: TokenLogprob | None = None
-
-
-@dataclass
-class _Running:
-    """A request in a slot."""
-
-    id: int
-    request: Request
-    slot: int
-    submitted: float
-    admitted: float
-    generator: torch.Generator | None
-    stops: frozenset[int]
-    detok: IncrementalDetokenizer | None
-    stop_ends: list[tuple[str, dict[str, list[int]]]] = field(default_factory=list)  # see _stop_ends
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    sent: int = 0  # characters of detok.text already emitted
-    first_token: float = 0.0
 
 
 @dataclass
@@ -229,7 +105,7 @@ class EngineStats:
     started: float = field(default_factory=time.perf_counter)
 
 
-class Engine:
+class Engine(EngineAdmission):
     """A pool of ``max_batch`` cache slots that requests flow through (continuous batching).
 
     Args:
@@ -319,7 +195,7 @@ class Engine:
         self._lock = threading.Lock()
         self._waiting: deque[tuple[int, Request, float, int]] = deque()
         self._cancelled: set[int] = set()
-        self._slots: list[_Running | None] = [None] * max_batch
+        self._slots: list[RunningRequest | None] = [None] * max_batch
         self._params: list[SamplingParams] = [SamplingParams()] * max_batch
         self._sampling = RowSampling.of(self._params, self.device, vocab_size=self.vocab_size)
         self.session.decoder.prepare(self._sampling)  # written in place by every step (static under CUDA graphs)
@@ -335,45 +211,10 @@ class Engine:
         """Checks a request against the pool (called by :meth:`submit`).
 
         Raises:
-            EngineError: An empty prompt, one longer than a slot's prompt capacity, more new tokens
-                than the engine allows, sampling that is not a :class:`~beaconkv.sampling.SamplingParams`
-                or biases a token outside the vocabulary, stop strings without a tokenizer, or more or
-                longer stop strings than :data:`MAX_STOP_STRINGS` and :data:`MAX_STOP_CHARS`.
+            EngineError: See :func:`~beaconkv.engine_requests.check_request`.
         """
-        n = len(request.prompt)
-        if n == 0:
-            raise EngineError("the prompt is empty; every request needs at least one token.")
-        if n > self.prompt_capacity:
-            raise EngineError(f"the prompt has {n} tokens, more than a slot's prompt capacity of "
-                              f"{self.prompt_capacity}; shorten it or make the engine with prompt_capacity >= {n}.")
-        m = request.max_new_tokens
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise EngineError(f"max_new_tokens={m!r} must be an int >= 1.")
-        if m > self.max_new_tokens:
-            raise EngineError(f"max_new_tokens={m} is more than this engine's max_new_tokens={self.max_new_tokens}; "
-                              "ask for fewer or make the engine with a larger max_new_tokens.")
-        if request.stop and self.tokenizer is None:
-            raise EngineError("stop strings need a tokenizer; make the engine with one, or use eos_token_ids.")
-        stops = list(request.stop)
-        if len(stops) > MAX_STOP_STRINGS:
-            raise EngineError(f"{len(stops)} stop strings are more than {MAX_STOP_STRINGS}; give fewer.")
-        bad_stop = [s for s in stops if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS]
-        if bad_stop:
-            shown = repr(bad_stop[0]) if len(repr(bad_stop[0])) <= 60 else repr(bad_stop[0])[:57] + "..."
-            raise EngineError(f"stop string {shown} must be a non-empty string of at most {MAX_STOP_CHARS} "
-                              "characters.")
-        if not isinstance(request.sampling, SamplingParams):
-            raise EngineError(f"sampling={request.sampling!r} must be a beaconkv.sampling.SamplingParams.")
-        vocab = self.vocab_size
-        if request.sampling.logit_bias and request.sampling.logit_bias[-1][0] >= vocab:
-            raise EngineError(f"logit_bias names token {request.sampling.logit_bias[-1][0]}, outside the vocabulary "
-                              f"0 .. {vocab - 1} of this model; bias this model's token ids.")
-        bad = [(i, int(t)) for i, t in enumerate(request.prompt) if not 0 <= int(t) < vocab]
-        if bad:
-            i, t = bad[0]
-            more = f", {len(bad)} bad ids in all" if len(bad) > 1 else ""
-            raise EngineError(f"token id {t} is outside the vocabulary 0 .. {vocab - 1} of this model (prompt "
-                              f"position {i}{more}); encode prompts with this model's tokenizer.")
+        check_request(request, prompt_capacity=self.prompt_capacity, max_new_tokens=self.max_new_tokens,
+                      vocab_size=self.vocab_size, has_tokenizer=self.tokenizer is not None)
 
     def submit(self, request: Request) -> int:
         """Queues a request; returns its id. Thread-safe.
@@ -485,104 +326,7 @@ class Engine:
         return [done[i] for i in ids]
 
     # ------------------------------------------------------------------------------- internals
-    def _admit(self, events: list[Event]) -> None:
-        free = [s for s, r in enumerate(self._slots) if r is None]
-        with self._lock:
-            batch = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-        if not batch:
-            return
-        t0 = time.perf_counter()
-        runs = [run for run in (self._start(waiting, slot, events) for waiting, slot in zip(batch, free))
-                if run is not None]
-        if not runs:
-            return
-        try:
-            prefilled = [(runs, self.session.prefill([list(map(int, r.request.prompt)) for r in runs],
-                                                     rows=[r.slot for r in runs], chunk=self.prefill_chunk))]
-        except Exception as err:
-            if len(runs) == 1:
-                self._fail(runs[0], f"its prefill failed ({type(err).__name__}: {err})", events, err)
-                return
-            prefilled = []  # retry one by one: only a request whose own prefill fails fails
-            for run in runs:
-                try:
-                    prefilled.append(([run], self.session.prefill([list(map(int, run.request.prompt))],
-                                                                  rows=[run.slot], chunk=self.prefill_chunk)))
-                except Exception as one:
-                    self._fail(run, f"its prefill failed ({type(one).__name__}: {one})", events, one)
-        admitted = time.perf_counter()
-        for group, logits in prefilled:
-            for run in group:
-                run.admitted = admitted
-            self._first_tokens(group, logits, events)
-        self.stats.prefill_s += time.perf_counter() - t0
-
-    def _start(self, waiting: tuple[int, Request, float, int], slot: int, events: list[Event]) -> _Running | None:
-        """Takes a slot for a waiting request and writes its sampling row; None (and a failure event) if that fails."""
-        rid, req, submitted, seed = waiting
-        try:
-            gen = None
-            if not req.sampling.greedy:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(seed)
-            eos = req.eos_token_ids if req.eos_token_ids is not None else (
-                self.tokenizer.eos_token_ids if self.tokenizer is not None else [])
-            detok = IncrementalDetokenizer(self.tokenizer.decode) if self.tokenizer is not None else None
-            run = _Running(rid, req, slot, submitted, submitted, gen, frozenset(eos), detok,
-                           stop_ends=[(s, _stop_ends(s)) for s in req.stop],
-                           logprobs=[] if req.sampling.logprobs is not None else None)
-            self._params[slot] = req.sampling
-            self._sampling.set_row(slot, req.sampling, [self._params[s] for s in [*self._live_slots(), slot]])
-        except Exception as err:
-            self._params[slot] = SamplingParams()
-            logger.exception("beaconkv engine: request %d could not start", rid)
-            now = time.perf_counter()
-            self.stats.finished += 1
-            reason = f"its sampling could not be set up ({type(err).__name__}: {err})"
-            comp = Completion(rid, [], "", "error", len(req.prompt), 0, now - submitted, 0.0, now - submitted, -1,
-                              req.tag, error=f"the request failed: {reason}", exception=err)
-            self._deliver_safely(req, Event(rid, None, "", comp), events)
-            return None
-        self._slots[slot] = run
-        return run
-
-    def _first_tokens(self, runs: list[_Running], logits: Tensor, events: list[Event]) -> None:
-        """Samples the first token of freshly prefilled requests (one by one if the batch fails) and emits it."""
-        noise = self._noise(runs, events)
-        live = [(i, r) for i, r in enumerate(runs) if self._slots[r.slot] is r]
-        if not live:
-            return
-        rows = torch.tensor([i for i, _ in live], device=logits.device)
-        logits = logits[rows]
-        noise = None if noise is None else noise[rows]
-        runs = [r for _, r in live]
-        try:
-            picked = [self._sample_first(runs, logits, noise)]
-        except Exception:
-            picked = []
-            for i, run in enumerate(runs):
-                try:
-                    picked.append(self._sample_first([run], logits[i : i + 1],
-                                                     None if noise is None else noise[i : i + 1]))
-                except Exception as err:
-                    self._fail(run, f"its first token could not be sampled ({type(err).__name__}: {err})",
-                               events, err)
-        now = time.perf_counter()
-        for group, tokens, logprobs in picked:
-            for run, token, logprob in zip(group, tokens, logprobs):
-                self._emit_isolated(run, token, logprob, now, events)
-
-    def _sample_first(self, runs: list[_Running], logits: Tensor, noise: Tensor | None,
-                      ) -> tuple[list[_Running], list[int], list[TokenLogprob | None]]:
-        slots = [r.slot for r in runs]
-        part = self._sampling.take(slots)
-        first = sample_rows(logits, part, noise)
-        self._sampling.put_counts(slots, part)
-        self._tokens[torch.tensor(slots, device=self.device)] = first
-        tokens = first.tolist()
-        return runs, tokens, self._read_logprobs(part, runs, tokens)
-
-    def _read_logprobs(self, sampling: RowSampling, runs: Sequence[_Running | None],
+    def _read_logprobs(self, sampling: RowSampling, runs: Sequence[RunningRequest | None],
                        tokens: Sequence[int]) -> list[TokenLogprob | None]:
         """Each row's log-probabilities from ``sampling`` (after it chose ``tokens``), for the runs that asked."""
         if not sampling.mode.logprobs:
@@ -598,7 +342,7 @@ class Engine:
     def _live_slots(self) -> list[int]:
         return [s for s, r in enumerate(self._slots) if r is not None]
 
-    def _noise(self, runs: Sequence[_Running | None], events: list[Event]) -> Tensor | None:
+    def _noise(self, runs: Sequence[RunningRequest | None], events: list[Event]) -> Tensor | None:
         """Race noise, one row per entry: a sampled request's row from its own generator, others 1.
 
         None when no entry samples (a greedy batch needs no noise). A run whose draw fails fails.
@@ -616,7 +360,7 @@ class Engine:
                                events, err)
         return noise
 
-    def _emit_isolated(self, run: _Running, token: int, logprob: TokenLogprob | None, now: float,
+    def _emit_isolated(self, run: RunningRequest, token: int, logprob: TokenLogprob | None, now: float,
                        events: list[Event]) -> None:
         """:meth:`_emit`, failing only this request if its detokenising, stops or callback raise."""
         try:
@@ -624,7 +368,7 @@ class Engine:
         except Exception as err:
             self._fail(run, f"its token could not be handled ({type(err).__name__}: {err})", events, err)
 
-    def _fail(self, run: _Running, reason: str, events: list[Event], err: BaseException | None = None, *,
+    def _fail(self, run: RunningRequest, reason: str, events: list[Event], err: BaseException | None = None, *,
               log: bool = True) -> None:
         """Ends a running request with ``finish_reason="error"`` (if it has not ended already) and tells its owner."""
         if err is not None and log:
@@ -661,7 +405,8 @@ class Engine:
                 self._fail(run, reason, events)
         return events
 
-    def _emit(self, run: _Running, token: int, logprob: TokenLogprob | None, now: float, events: list[Event]) -> None:
+    def _emit(self, run: RunningRequest, token: int, logprob: TokenLogprob | None, now: float,
+              events: list[Event]) -> None:
         if not run.tokens:
             run.first_token = now
         run.tokens.append(token)
@@ -671,7 +416,7 @@ class Engine:
         text, stopped = "", False
         if run.detok is not None:
             run.detok.push(token)
-            text, stopped = self._new_text(run)
+            text, stopped = run.new_text()
         reason = None
         if stopped or token in run.stops:
             reason = "stop"
@@ -682,27 +427,7 @@ class Engine:
             ev.completion = self._finish(run, reason, now)
         self._deliver(run, ev, events)
 
-    def _new_text(self, run: _Running) -> tuple[str, bool]:
-        """Text to emit now and whether a stop string appeared (text held back while it may start one)."""
-        full = run.detok.text
-        stops = run.request.stop
-        if stops:
-            hit = [i for s in stops if (i := full.find(s, max(0, run.sent - len(s) + 1))) >= 0]
-            if hit:
-                end = min(hit)
-                text, run.sent = full[run.sent : end], end
-                return text, True
-            # hold back the longest tail that begins a stop string: only prefixes ending in full's last character
-            last = full[-1:]
-            hold = max((next((k for k in ends.get(last, ()) if full.endswith(s[:k])), 0) for s, ends in run.stop_ends),
-                       default=0)
-            end = len(full) - hold
-        else:
-            end = len(full)
-        text, run.sent = full[run.sent : max(end, run.sent)], max(end, run.sent)
-        return text, False
-
-    def _finish(self, run: _Running, reason: str, now: float) -> Completion:
+    def _finish(self, run: RunningRequest, reason: str, now: float) -> Completion:
         state = self.session.state
         evictions = state.stats.evictions[run.slot]
         self.session.release([run.slot])
@@ -719,7 +444,7 @@ class Engine:
             run.request.tag, None if run.logprobs is None else list(run.logprobs),
         )
 
-    def _deliver(self, run: _Running, ev: Event, events: list[Event]) -> None:
+    def _deliver(self, run: RunningRequest, ev: Event, events: list[Event]) -> None:
         events.append(ev)
         if run.request.on_event is not None:
             run.request.on_event(ev)
@@ -739,11 +464,3 @@ class Engine:
             if run is not None and run.id in cancelled:
                 self._deliver_safely(run.request, Event(run.id, None, "", self._finish(run, "cancelled", now)), events)
 
-
-def _stop_ends(stop: str) -> dict[str, list[int]]:
-    """``{c: [k, ...]}``: the lengths ``k < len(stop)`` of the prefixes of ``stop`` that end with ``c``,
-    longest first (the text's tail can begin the stop string only with a prefix ending in its last character)."""
-    out: dict[str, list[int]] = {}
-    for k in range(len(stop) - 1, 0, -1):
-        out.setdefault(stop[k - 1], []).append(k)
-    return out

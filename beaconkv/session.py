@@ -263,8 +263,9 @@ class Session:
         return self.model.extend(ids, valid, torch.tensor(start, device=self.device), target, observers)
 
     def after_prefill(self, rows: Sequence[int]) -> None:
-        """The policy's work once the prompts of ``rows`` are written (:meth:`prefill` calls it; a caller
-        that writes the prompts itself — a :class:`~beaconkv.measure.fidelity.cache_stack.CacheStack` — calls it after)."""
+        """The policy's work once the prompts of ``rows`` are written (:meth:`prefill` calls it; a caller that
+        writes the prompts itself — a :class:`~beaconkv.measure.fidelity.cache_stack.CacheStack` — calls it
+        after)."""
         t0 = time.perf_counter()
         self.driver.after_prefill(list(rows))
         self.policy_s += time.perf_counter() - t0
