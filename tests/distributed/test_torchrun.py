@@ -35,7 +35,7 @@ def _rank(index: int, world: int, port: int, checkpoint: str, out: str) -> None:
     torch.set_num_threads(1)
     from beaconkv.distributed import TensorParallel, follow, lead, load_shard
 
-    tp = TensorParallel.split(2, timeout_s=30)
+    tp = TensorParallel.split(2, timeout_s=120)  # a loaded 2-core box: a rank may reach a collective late
     data_rank = torch.distributed.get_rank() // tp.size  # which group: which prompt
     model = load_shard(checkpoint, tp)
     if tp.is_main:
