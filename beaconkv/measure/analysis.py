@@ -43,16 +43,8 @@ from .fidelity.cli import add_trace_arguments, load_model_and_traces
 from .fidelity.errors import FidelityError
 from .fidelity.metrics import GlobalQueryRule, LengthAwareRule
 from .fidelity.traces import forced_tokens
-from .trace_analysis import (
-    NEIGHBOUR_GAP,
-    TraceAnalysis,
-    analyze_trace,
-    clustering_stats,
-    distance_bin,
-    mixed_head,
-    parse_window,
-    similarity_stats,
-)
+from .trace_analysis import NEIGHBOUR_GAP, TraceAnalysis, analyze_trace, clustering_stats, distance_bin
+from .trace_analysis import mixed_head, parse_window, similarity_stats
 
 __all__ = ["NEIGHBOUR_GAP", "TraceAnalysis", "add_analyze_arguments", "analyze_policy", "analyze_trace",
            "clustering_stats", "distance_bin", "mixed_head", "parse_window", "plot_attention_distance", "plot_beacons",
