@@ -28,13 +28,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
 from ..detokenize import IncrementalDetokenizer
-from ..engine import Completion, Engine, EngineError, EngineStats, Event, QueueFullError, Request, TokenLogprob
+from ..engine import Completion, EngineError, EngineStats, Event, QueueFullError, Request, TokenLogprob
+from ..engine_requests import RunningRequest, check_request, stop_ends
 from ..hf.cache import PolicyCache
 from ..policies.base import EvictionPolicy, FullKV
 from ..sampling import RowSampling, race_noise, sample_rows
@@ -46,45 +47,11 @@ logger = logging.getLogger("beaconkv.serve")
 
 
 @dataclass
-class _Run:
-    """A request in one of the engine's places, with its own cache, sampling state and generator."""
+class _Run(RunningRequest):
+    """A request in one of the engine's places (its ``slot``), with its own cache and sampling state."""
 
-    id: int
-    request: Request
-    place: int
-    submitted: float
-    admitted: float
-    cache: PolicyCache
-    sampling: RowSampling
-    generator: torch.Generator | None
-    stops: frozenset[int]
-    detok: IncrementalDetokenizer | None
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    sent: int = 0  # characters of detok.text already emitted
-    first_token: float = 0.0
-
-
-def visible_text(text: str, sent: int, stops: Sequence[str]) -> tuple[str, int, bool]:
-    """What of ``text`` may be emitted now: ``(new text, characters emitted after it, a stop string seen)``.
-
-    The text ends before the first stop string; while the text's tail may begin one, that tail is held back.
-
-    Args:
-        text: Every character decoded so far.
-        sent: Characters already emitted.
-        stops: The request's stop strings.
-    """
-    if not stops:
-        return text[sent:], len(text), False
-    hits = [i for s in stops if (i := text.find(s, max(0, sent - len(s) + 1))) >= 0]
-    if hits:
-        end = min(hits)
-        return text[sent:end], max(end, sent), True
-    hold = max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
-               default=0)
-    end = max(len(text) - hold, sent)
-    return text[sent:end], end, False
+    cache: PolicyCache | None = None
+    sampling: RowSampling | None = None
 
 
 class HFEngine:
@@ -167,13 +134,13 @@ class HFEngine:
 
     # ------------------------------------------------------------------------------- requests
     def validate(self, request: Request) -> None:
-        """Checks a request as the native engine does (:meth:`beaconkv.engine.Engine.validate`, which reads only
-        the sizes, the tokenizer and the vocabulary).
+        """Checks a request as the native engine does (:func:`~beaconkv.engine_requests.check_request`).
 
         Raises:
-            EngineError: See :meth:`beaconkv.engine.Engine.validate`.
+            EngineError: See :func:`~beaconkv.engine_requests.check_request`.
         """
-        Engine.validate(self, request)  # type: ignore[arg-type]  # the same checks over the same attributes
+        check_request(request, prompt_capacity=self.prompt_capacity, max_new_tokens=self.max_new_tokens,
+                      vocab_size=self.vocab_size, has_tokenizer=self.tokenizer is not None)
 
     def submit(self, request: Request) -> int:
         """Queues a request; returns its id. Thread-safe.
@@ -272,8 +239,9 @@ class HFEngine:
                             prefill_chunk=self.prefill_chunk)
         sampling = RowSampling.of([request.sampling], self.device, vocab_size=self.vocab_size)
         detok = IncrementalDetokenizer(self.tokenizer.decode) if self.tokenizer is not None else None
-        run = _Run(rid, request, place, submitted, submitted, cache, sampling, generator, frozenset(eos), detok,
-                   logprobs=[] if request.sampling.logprobs is not None else None)
+        run = _Run(rid, request, place, submitted, submitted, generator, frozenset(eos), detok,
+                   stop_ends=[(stop, stop_ends(stop)) for stop in request.stop],
+                   logprobs=[] if request.sampling.logprobs is not None else None, cache=cache, sampling=sampling)
         self._places[place] = run
         return run
 
@@ -301,7 +269,7 @@ class HFEngine:
         text, stopped = "", False
         if run.detok is not None:
             run.detok.push(token)
-            text, run.sent, stopped = visible_text(run.detok.text, run.sent, run.request.stop)
+            text, stopped = run.new_text()
         reason = "stop" if stopped or token in run.stops else (
             "length" if len(run.tokens) >= run.request.max_new_tokens else None)
         event = Event(run.id, token, text, logprob=logprob)
@@ -312,18 +280,18 @@ class HFEngine:
     def _finish(self, run: _Run, reason: str, now: float) -> Completion:
         state = run.cache.state
         evictions = state.stats.evictions[0] if state is not None else 0
-        self._places[run.place] = None
+        self._places[run.slot] = None
         self.stats.finished += 1
         self.stats.evictions += evictions
         text = "" if run.detok is None else (run.detok.text[: run.sent] if run.request.stop else run.detok.text)
         return Completion(run.id, list(run.tokens), text, reason, len(run.request.prompt), evictions,
                           run.admitted - run.submitted, (run.first_token or now) - run.submitted, now - run.submitted,
-                          run.place, run.request.tag, None if run.logprobs is None else list(run.logprobs))
+                          run.slot, run.request.tag, None if run.logprobs is None else list(run.logprobs))
 
     def _fail(self, run: _Run, reason: str, events: list[Event], err: BaseException | None = None) -> None:
         if err is not None:
             logger.error("beaconkv serve (hf): request %d failed: %s", run.id, reason, exc_info=err)
-        if self._places[run.place] is not run:
+        if self._places[run.slot] is not run:
             return
         done = self._finish(run, "error", time.perf_counter())
         done.error, done.exception = f"the request failed: {reason}", err

@@ -30,7 +30,7 @@ from .conftest import NAME, LiveApp
 tf = pytest.importorskip("transformers")
 
 from beaconkv.hf.generation import generate_hf, load_hf_model  # noqa: E402
-from beaconkv.serve.hf_engine import HFEngine, visible_text  # noqa: E402
+from beaconkv.serve.hf_engine import HFEngine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6
@@ -126,12 +126,6 @@ def test_a_request_that_fails_ends_alone(loaded):
     failed, fine = run(eng, [bad, good])
     assert failed.finish_reason == "error" and "callback broke" in failed.error
     assert fine.finish_reason == "length" and len(fine.token_ids) == 4
-
-
-def test_visible_text_holds_back_what_may_begin_a_stop_string():
-    assert visible_text("Hello wor", 0, ["world"]) == ("Hello ", 6, False)
-    assert visible_text("Hello world!", 6, ["world"]) == ("", 6, True)
-    assert visible_text("abc", 1, []) == ("bc", 3, False)
 
 
 def test_a_chat_completion_over_http_equals_model_generate_streamed_or_whole(loaded):
