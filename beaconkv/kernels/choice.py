@@ -33,15 +33,15 @@ def native_bf16_matmuls() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-#: The values of ``kernels`` (``generate``, :class:`~beaconkv.engine.Engine`, ``--kernels``).
 KERNELS = ("auto", "model", "packed", "bf16w")
+"""The values of ``kernels`` (``generate``, :class:`~beaconkv.engine.Engine`, ``--kernels``)."""
 
-#: How reports name each chosen kernel (what runs, not the option's name).
 KERNEL_LABELS = {"model": "the model's own", "packed": "packed fp32", "bf16w": "bf16 weights, fp32 arithmetic"}
+"""How reports name each chosen kernel (what runs, not the option's name)."""
 
-#: ``kernels="auto"`` switches to the batched CPU kernels from this many rows per decode step on
-#: (see :func:`choose_kernels`).
 PACK_MIN_ROWS = 4
+"""``kernels="auto"`` switches to the batched CPU kernels from this many rows per decode step on (see
+:func:`choose_kernels`)."""
 
 
 @dataclass(frozen=True)

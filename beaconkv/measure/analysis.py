@@ -46,7 +46,7 @@ from .fidelity.traces import forced_tokens
 from .trace_analysis import NEIGHBOUR_GAP, TraceAnalysis, analyze_trace, clustering_stats, distance_bin
 from .trace_analysis import mixed_head, parse_window, similarity_stats
 
-__all__ = ["NEIGHBOUR_GAP", "TraceAnalysis", "add_analyze_arguments", "analyze_policy", "analyze_trace",
+__all__ = ["TraceAnalysis", "add_analyze_arguments", "analyze_policy", "analyze_trace",
            "clustering_stats", "distance_bin", "mixed_head", "parse_window", "plot_attention_distance", "plot_beacons",
            "plot_global_heatmap", "plot_query_similarity", "run_analyze", "similarity_stats", "summary_text",
            "write_global_queries"]

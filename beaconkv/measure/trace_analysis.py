@@ -232,8 +232,8 @@ def similarity_stats(a: TraceAnalysis, layer: int, head: int, window: tuple[int,
             "local-local": mean(~g[:, None] & ~g[None])}
 
 
-#: Default smallest step distance of a nearest neighbour in :func:`clustering_stats`.
 NEIGHBOUR_GAP = 16
+"""Default smallest step distance of a nearest neighbour in :func:`clustering_stats`."""
 
 
 def clustering_stats(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 
 from ..kernels.bf16w import with_bf16w_linears
-from ..kernels.choice import (
+from ..kernels.choice import (  # noqa: F401 - KERNELS, KERNEL_LABELS, PACK_MIN_ROWS: importable, as before
     KERNEL_LABELS,
     KERNELS,
     PACK_MIN_ROWS,
@@ -32,9 +32,8 @@ from ..kernels.packed import (
     prepack,
 )
 
-__all__ = ["KERNELS", "KERNEL_LABELS", "PACK_MIN_ROWS", "KernelChoice", "PackedLinear", "PackingError", "bf16w_copy",
-           "choose_kernels", "copy_with_linears", "native_bf16_matmuls", "packed_copy", "packed_linear",
-           "packing_available", "prepack", "with_bf16w_linears"]
+__all__ = ["KernelChoice", "PackedLinear", "PackingError", "bf16w_copy", "choose_kernels", "copy_with_linears",
+           "native_bf16_matmuls", "packed_copy", "packed_linear", "packing_available", "prepack", "with_bf16w_linears"]
 
 warnings.warn("beaconkv.models.cpu_linear is now beaconkv.kernels: choose_kernels, KERNELS and KernelChoice are in "
               "beaconkv.kernels.choice, prepack/PackedLinear/PackingError in beaconkv.kernels.packed, "
