@@ -1,10 +1,10 @@
 """``beaconkv serve --backend hf``: the server's engine over a transformers model whose cache is a
 :class:`~beaconkv.hf.PolicyCache`.
 
-:class:`HFEngine` has the part of the native :class:`~beaconkv.engine.Engine`'s interface the server drives
-(:class:`~beaconkv.serve.worker.EngineWorker` and the routes): ``submit`` and ``cancel`` from any thread,
-``step`` from the engine thread, ``idle``, ``running``, ``queued``, ``stats``, ``abort``, ``validate``. What it
-runs is simpler than the native pool:
+:class:`HFEngine` is an :class:`~beaconkv.engine.Engine` (the interface the server drives: ``submit`` and
+``cancel`` from any thread, ``step`` from the engine thread, ``idle``, ``running``, ``queued``, ``stats``,
+``abort``, ``validate``; the queue, the checks and the token handling are the engine's own) whose step runs a
+transformers model. What it runs is simpler than the native pool:
 
 * **Concurrent, not batched.** Up to ``max_batch`` requests run at once, each with a ``PolicyCache`` of its
   own; a step admits waiting requests into free places (one prefill forward each, then their first token) and
@@ -24,7 +24,6 @@ request with ``finish_reason="error"``; the others go on.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from collections import deque
@@ -34,17 +33,14 @@ import torch
 from torch import Tensor, nn
 
 from ..detokenize import IncrementalDetokenizer
-from ..engine import Completion, EngineError, EngineStats, Event, QueueFullError, Request, TokenLogprob
-from ..engine_requests import RunningRequest, check_request, stop_ends
+from ..engine import Completion, Engine, EngineError, EngineStats, Event, Request, TokenLogprob
+from ..engine_requests import RunningRequest, stop_ends
 from ..hf.cache import PolicyCache
 from ..policies.base import EvictionPolicy, FullKV
 from ..sampling import RowSampling, race_noise, sample_rows
 from ..tokenizer import Tokenizer
 
 __all__ = ["HFEngine"]
-
-logger = logging.getLogger("beaconkv.serve")
-
 
 @dataclass
 class _Run(RunningRequest):
@@ -54,8 +50,14 @@ class _Run(RunningRequest):
     sampling: RowSampling | None = None
 
 
-class HFEngine:
+class HFEngine(Engine):
     """The server's engine over a transformers causal LM, each request in a :class:`~beaconkv.hf.PolicyCache`.
+
+    An :class:`~beaconkv.engine.Engine` whose slots are places of concurrent requests: it keeps the engine's
+    queue, checks, cancellations, token handling (stop strings, end-of-sequence ids, events) and fault isolation
+    (``submit``, ``cancel``, ``validate``, ``abort``, ``running``, ``queued``, ``idle``, ``run``) and replaces what
+    runs the model: :meth:`step` (a prefill forward per admitted request, then one forward of one token per
+    running request) and what a finished request frees (its own cache).
 
     Args:
         model: A transformers causal LM (see :func:`~beaconkv.hf.generation.load_hf_model`).
@@ -77,6 +79,7 @@ class HFEngine:
     def __init__(self, model: nn.Module, tokenizer: Tokenizer | None = None, *, policy: EvictionPolicy | None = None,
                  max_batch: int = 8, prompt_capacity: int = 1024, max_new_tokens: int = 1024,
                  max_queue: int | None = None, seed: int = 0, prefill_chunk: int | None = None) -> None:
+        # not Engine.__init__: no session, no pool of slots; the attributes the inherited methods read
         for name, value in (("max_batch", max_batch), ("prompt_capacity", prompt_capacity),
                             ("max_new_tokens", max_new_tokens), ("prefill_chunk", prefill_chunk)):
             if value is None and name == "prefill_chunk":
@@ -91,7 +94,7 @@ class HFEngine:
         self.model, self.tokenizer = model, tokenizer
         self.policy = policy if policy is not None else FullKV()
         self.max_batch, self.prompt_capacity, self.max_new_tokens = max_batch, prompt_capacity, max_new_tokens
-        self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
+        self.prefill_chunk, self.max_queue, self.on_step = prefill_chunk, max_queue, None
         self.device = next(model.parameters()).device
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -99,7 +102,7 @@ class HFEngine:
         self._lock = threading.Lock()
         self._waiting: deque[tuple[int, Request, float, int]] = deque()
         self._cancelled: set[int] = set()
-        self._places: list[_Run | None] = [None] * max_batch
+        self._slots: list[_Run | None] = [None] * max_batch  # type: ignore[assignment]
 
     # ------------------------------------------------------------------------------- sizes
     @property
@@ -115,53 +118,7 @@ class HFEngine:
     @property
     def cache_bytes(self) -> int:
         """Bytes of the running requests' keys and values (each cache is allocated at its prefill)."""
-        return sum(r.cache.store.nbytes() for r in self._places if r is not None and r.cache.store is not None)
-
-    @property
-    def running(self) -> int:
-        """Requests running."""
-        return sum(r is not None for r in self._places)
-
-    @property
-    def queued(self) -> int:
-        """Requests waiting for a place."""
-        return len(self._waiting)
-
-    @property
-    def idle(self) -> bool:
-        """Nothing running and nothing waiting."""
-        return not self.running and not self._waiting
-
-    # ------------------------------------------------------------------------------- requests
-    def validate(self, request: Request) -> None:
-        """Checks a request as the native engine does (:func:`~beaconkv.engine_requests.check_request`).
-
-        Raises:
-            EngineError: See :func:`~beaconkv.engine_requests.check_request`.
-        """
-        check_request(request, prompt_capacity=self.prompt_capacity, max_new_tokens=self.max_new_tokens,
-                      vocab_size=self.vocab_size, has_tokenizer=self.tokenizer is not None)
-
-    def submit(self, request: Request) -> int:
-        """Queues a request; returns its id. Thread-safe.
-
-        Raises:
-            EngineError: See :meth:`validate`.
-            QueueFullError: ``max_queue`` requests are already waiting.
-        """
-        self.validate(request)
-        with self._lock:
-            if self.max_queue is not None and len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue}).")
-            rid = next(self._ids)
-            seed = request.seed if request.seed is not None else next(self._seeds)
-            self._waiting.append((rid, request, time.perf_counter(), seed))
-        return rid
-
-    def cancel(self, request_id: int) -> None:
-        """Ends a request at the next step (a client that went away). Thread-safe."""
-        with self._lock:
-            self._cancelled.add(request_id)
+        return sum(r.cache.store.nbytes() for r in self._slots if r is not None and r.cache.store is not None)
 
     # ------------------------------------------------------------------------------- steps
     @torch.inference_mode()
@@ -179,7 +136,7 @@ class HFEngine:
             return events
         t0 = time.perf_counter()
         self.stats.busy_slot_steps += self.running
-        for run in list(self._places):
+        for run in list(self._slots):
             if run is None:
                 continue
             try:
@@ -193,60 +150,55 @@ class HFEngine:
         self.stats.steps += 1
         return events
 
-    def abort(self, reason: str) -> list[Event]:
-        """Ends every running request with ``finish_reason="error"`` (the caller of :meth:`step` hit a fault).
-
-        Returns:
-            The events of the ended requests (their callbacks were called too).
-        """
-        events: list[Event] = []
-        for run in list(self._places):
-            if run is not None:
-                self._fail(run, reason, events)
-        return events
-
     # ------------------------------------------------------------------------------- internals
     def _admit(self, events: list[Event]) -> None:
-        free = [p for p, r in enumerate(self._places) if r is None]
+        free = [p for p, r in enumerate(self._slots) if r is None]
         with self._lock:
             batch = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
         t0 = time.perf_counter()
-        for (rid, request, submitted, seed), place in zip(batch, free):
-            run = None
+        for waiting, place in zip(batch, free):
             try:
-                run = self._start(rid, request, submitted, seed, place)
-                prompt = torch.tensor([list(map(int, request.prompt))], device=self.device)
+                run = self._begin(waiting, place)
+            except Exception as err:  # its cache or sampling could not be made: it ends alone, no place taken
+                rid, request, submitted, _ = waiting
+                now = time.perf_counter()
+                self.stats.finished += 1
+                done = Completion(rid, [], "", "error", len(request.prompt), 0, now - submitted, 0.0, now - submitted,
+                                  -1, request.tag, error=f"the request failed: it could not start ({err})",
+                                  exception=err)
+                self._deliver_safely(request, Event(rid, None, "", done), events)
+                continue
+            try:
+                prompt = torch.tensor([list(map(int, run.request.prompt))], device=self.device)
                 out = self.model(input_ids=prompt, cache=run.cache, use_cache=True, logits_to_keep=1)
                 run.admitted = time.perf_counter()
                 self._sample(run, out.logits[:, -1], events)
             except Exception as err:
-                reason = f"its prefill failed ({type(err).__name__}: {err})"
-                if run is not None:
-                    self._fail(run, reason, events, err)
-                else:
-                    self._refuse(rid, request, submitted, reason, err, events)
+                self._fail(run, f"its prefill failed ({type(err).__name__}: {err})", events, err)
         if batch:
             self.stats.prefill_s += time.perf_counter() - t0
 
-    def _start(self, rid: int, request: Request, submitted: float, seed: int, place: int) -> _Run:
+    def _begin(self, waiting: tuple[int, Request, float, int], place: int) -> _Run:
+        """Takes ``place`` for a waiting request: its generator, cache (allocated at its prefill) and sampling."""
+        rid, request, submitted, seed = waiting
         generator = None
         if not request.sampling.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed)
         eos = request.eos_token_ids if request.eos_token_ids is not None else (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else [])
-        cache = PolicyCache(self.model, self.policy, max_new_tokens=request.max_new_tokens,
-                            prefill_chunk=self.prefill_chunk)
-        sampling = RowSampling.of([request.sampling], self.device, vocab_size=self.vocab_size)
         detok = IncrementalDetokenizer(self.tokenizer.decode) if self.tokenizer is not None else None
         run = _Run(rid, request, place, submitted, submitted, generator, frozenset(eos), detok,
                    stop_ends=[(stop, stop_ends(stop)) for stop in request.stop],
-                   logprobs=[] if request.sampling.logprobs is not None else None, cache=cache, sampling=sampling)
-        self._places[place] = run
+                   logprobs=[] if request.sampling.logprobs is not None else None,
+                   cache=PolicyCache(self.model, self.policy, max_new_tokens=request.max_new_tokens,
+                                     prefill_chunk=self.prefill_chunk),
+                   sampling=RowSampling.of([request.sampling], self.device, vocab_size=self.vocab_size))
+        self._slots[place] = run
         return run
 
     def _sample(self, run: _Run, logits: Tensor, events: list[Event]) -> None:
-        """Chooses ``run``'s next token from its last logits and emits it."""
+        """Chooses ``run``'s next token from its last logits and emits it (the engine's token handling)."""
         logits = logits.float()
         noise = None if run.generator is None else race_noise(1, logits.shape[-1], self.device, run.generator)
         token = int(sample_rows(logits, run.sampling, noise)[0])
@@ -256,82 +208,16 @@ class HFEngine:
             s = run.sampling
             logprob = TokenLogprob(token, float(s.logprob[0]),
                                    list(zip(s.top_ids[0, :k].tolist(), s.top_logprobs[0, :k].tolist())))
-        self._emit(run, token, logprob, events)
-
-    def _emit(self, run: _Run, token: int, logprob: TokenLogprob | None, events: list[Event]) -> None:
-        now = time.perf_counter()
-        if not run.tokens:
-            run.first_token = now
-        run.tokens.append(token)
-        self.stats.generated_tokens += 1
-        if logprob is not None:
-            run.logprobs.append(logprob)
-        text, stopped = "", False
-        if run.detok is not None:
-            run.detok.push(token)
-            text, stopped = run.new_text()
-        reason = "stop" if stopped or token in run.stops else (
-            "length" if len(run.tokens) >= run.request.max_new_tokens else None)
-        event = Event(run.id, token, text, logprob=logprob)
-        if reason is not None:
-            event.completion = self._finish(run, reason, now)
-        self._deliver(run.request, event, events)
+        self._emit_isolated(run, token, logprob, time.perf_counter(), events)
 
     def _finish(self, run: _Run, reason: str, now: float) -> Completion:
+        """Frees ``run``'s place and cache; its completion."""
         state = run.cache.state
         evictions = state.stats.evictions[0] if state is not None else 0
-        self._places[run.slot] = None
+        self._slots[run.slot] = None
         self.stats.finished += 1
         self.stats.evictions += evictions
         text = "" if run.detok is None else (run.detok.text[: run.sent] if run.request.stop else run.detok.text)
         return Completion(run.id, list(run.tokens), text, reason, len(run.request.prompt), evictions,
                           run.admitted - run.submitted, (run.first_token or now) - run.submitted, now - run.submitted,
                           run.slot, run.request.tag, None if run.logprobs is None else list(run.logprobs))
-
-    def _fail(self, run: _Run, reason: str, events: list[Event], err: BaseException | None = None) -> None:
-        if err is not None:
-            logger.error("beaconkv serve (hf): request %d failed: %s", run.id, reason, exc_info=err)
-        if self._places[run.slot] is not run:
-            return
-        done = self._finish(run, "error", time.perf_counter())
-        done.error, done.exception = f"the request failed: {reason}", err
-        self._deliver(run.request, Event(run.id, None, "", done), events, guard=True)
-
-    def _refuse(self, rid: int, request: Request, submitted: float, reason: str, err: BaseException,
-                events: list[Event]) -> None:
-        """Ends a request that could not start (no place was taken)."""
-        logger.error("beaconkv serve (hf): request %d could not start: %s", rid, reason, exc_info=err)
-        now = time.perf_counter()
-        self.stats.finished += 1
-        done = Completion(rid, [], "", "error", len(request.prompt), 0, now - submitted, 0.0, now - submitted, -1,
-                          request.tag, error=f"the request failed: {reason}", exception=err)
-        self._deliver(request, Event(rid, None, "", done), events, guard=True)
-
-    def _deliver(self, request: Request, event: Event, events: list[Event], guard: bool = False) -> None:
-        events.append(event)
-        if request.on_event is None:
-            return
-        if not guard:
-            request.on_event(event)
-            return
-        try:
-            request.on_event(event)
-        except Exception:
-            logger.exception("beaconkv serve (hf): the on_event callback of request %d failed", event.request_id)
-
-    def _apply_cancellations(self, events: list[Event]) -> None:
-        with self._lock:
-            cancelled, self._cancelled = self._cancelled, set()
-            waiting = [w for w in self._waiting if w[0] in cancelled]
-            self._waiting = deque(w for w in self._waiting if w[0] not in cancelled)
-        now = time.perf_counter()
-        for rid, request, submitted, _ in waiting:
-            self.stats.finished += 1
-            done = Completion(rid, [], "", "cancelled", len(request.prompt), 0, now - submitted, 0.0,
-                              now - submitted, -1, request.tag)
-            self._deliver(request, Event(rid, None, "", done), events, guard=True)
-        for run in list(self._places):
-            if run is not None and run.id in cancelled:
-                self._deliver(run.request, Event(run.id, None, "", self._finish(run, "cancelled", now)), events,
-                              guard=True)
-
