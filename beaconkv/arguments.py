@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .execution import CompileConfig
-from .models.cpu_linear import KERNELS
+from .kernels.choice import KERNELS
 from .models.embedded import embedded_model_path
 from .models.loading import resolve_device, resolve_dtype
 from .policies.base import EvictionPolicy, FullKV
