@@ -24,7 +24,6 @@ exits with an error.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,7 +66,7 @@ def tensor_parallel_backend(model: CausalLM, tokenizer: Any, finish: Callable[[]
 
 
 def run_tensor_parallel(config: EvalConfig, device: str, ctx: DistContext,
-                        run: Callable[[DistContext, GenerationBackend], Any]) -> Any:
+                        run: Callable[[DistContext, GenerationBackend], Any]) -> Any | None:
     """Runs the evaluation with ``config.tensor_parallel_size`` ranks per copy of the model.
 
     Args:
@@ -77,11 +76,10 @@ def run_tensor_parallel(config: EvalConfig, device: str, ctx: DistContext,
         run: ``run(data_ctx, backend)``: the harness's run for one data-parallel rank (the runner's own).
 
     Returns:
-        The harness's :class:`~beaconkv.eval.runner.EvalReport`: rank 0's of each group; the other ranks of a
-        group return one that generated nothing (``rank`` their global rank, so they print nothing).
+        What ``run`` returns (the harness's :class:`~beaconkv.eval.runner.EvalReport`) on rank 0 of each
+        group; ``None`` on the group's other ranks, which only mirrored rank 0 and generated nothing (the
+        caller makes their report: :func:`~beaconkv.eval.runner.run_eval` gives them an empty one).
     """
-    from ..eval.runner import EvalReport
-
     size = config.tensor_parallel_size
     path = model_path(config.model)
     dtype = resolve_eval_dtype(config.dtype, device)
@@ -100,7 +98,7 @@ def run_tensor_parallel(config: EvalConfig, device: str, ctx: DistContext,
     if not tp.is_main:
         follow(model)
         barrier(data)  # the harness's final barrier, which every rank of the world joins
-        return EvalReport(Path(config.out_dir), 0, 0, [], "", rank=ctx.rank, world_size=data.world_size)
+        return None
     released: list[bool] = []
 
     def finish() -> None:  # the harness calls it before its final barrier: the group's other ranks go there too

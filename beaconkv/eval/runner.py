@@ -211,8 +211,12 @@ def run_eval(
     ctx = init_distributed(device, timeout_min=config.dist_timeout_min)
     try:
         if config.tensor_parallel_size > 1 and backend is None:  # each group of ranks shares one copy of the model
-            return tensor_parallel_eval.run_tensor_parallel(config, device, ctx, functools.partial(
+            report = tensor_parallel_eval.run_tensor_parallel(config, device, ctx, functools.partial(
                 _run, config, spec.name, samples, device, policy, problems=problems))
+            if report is None:  # a rank that mirrored its group's rank 0: it generated nothing and prints nothing
+                report = EvalReport(Path(config.out_dir), 0, 0, [], "", rank=ctx.rank,
+                                    world_size=ctx.world_size // config.tensor_parallel_size)
+            return report
         return _run(config, spec.name, samples, device, policy, ctx, backend, problems)
     finally:
         shutdown_distributed(ctx)
