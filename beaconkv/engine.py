@@ -63,6 +63,7 @@ from .engine_requests import (  # noqa: F401 - importable from here as before
     Request,
     RunningRequest,
     TokenLogprob,
+    check_engine_sizes,
     check_request,
 )
 from .execution import CompileConfig
@@ -164,19 +165,11 @@ class Engine(EngineAdmission):
         prefill_chunk: int | None = None,
         setup: DecodeSetup | None = None,
     ) -> None:
-        for name, value in (("max_batch", max_batch), ("prompt_capacity", prompt_capacity),
-                            ("max_new_tokens", max_new_tokens), ("prefill_chunk", prefill_chunk)):
-            if value is None and name == "prefill_chunk":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise EngineError(f"{name}={value!r} must be an int >= 1.")
+        check_engine_sizes(max_batch, prompt_capacity, max_new_tokens, prefill_chunk,
+                           model.config.max_position_embeddings)
         setup = DecodeSetup.of(setup, kv_storage=kv_storage, cache_dtype=cache_dtype, kernels=kernels,
                                compile=compile, prefill_chunk=prefill_chunk)
         setup.apply_threads()
-        limit = model.config.max_position_embeddings
-        if prompt_capacity + max_new_tokens > limit:
-            raise EngineError(f"prompt_capacity={prompt_capacity} + max_new_tokens={max_new_tokens} exceeds the "
-                              f"model's max_position_embeddings={limit}; lower one of them.")
         self.prepared = prepare_model(model, max_batch, setup)
         self.model, self.tokenizer = self.prepared.model, tokenizer
         self.policy = policy if policy is not None else FullKV()

@@ -18,7 +18,7 @@ from .errors import BeaconKVError
 from .sampling import SamplingParams
 
 __all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "Completion", "EngineError", "Event", "QueueFullError", "Request",
-           "RunningRequest", "TokenLogprob", "check_request", "stop_ends"]
+           "RunningRequest", "TokenLogprob", "check_engine_sizes", "check_request", "stop_ends"]
 
 MAX_STOP_STRINGS = 16
 """Most stop strings one request may have (each is looked for after every token)."""
@@ -140,6 +140,33 @@ class Event:
     text: str
     completion: Completion | None = None
     logprob: TokenLogprob | None = None
+
+
+def check_engine_sizes(max_batch: int, prompt_capacity: int, max_new_tokens: int, prefill_chunk: int | None,
+                       max_positions: int) -> None:
+    """Checks an engine's sizes (what :class:`~beaconkv.engine.Engine` and the transformers engine of the server
+    are made with).
+
+    Args:
+        max_batch: Requests decoded at once.
+        prompt_capacity: Longest prompt, in tokens.
+        max_new_tokens: Most new tokens of a request.
+        prefill_chunk: Tokens per prefill chunk (None: whole prompts).
+        max_positions: The model's ``max_position_embeddings``.
+
+    Raises:
+        EngineError: A size that is not an int >= 1, or a prompt and answer beyond the model's positions; the
+            message names the value.
+    """
+    for name, value in (("max_batch", max_batch), ("prompt_capacity", prompt_capacity),
+                        ("max_new_tokens", max_new_tokens), ("prefill_chunk", prefill_chunk)):
+        if value is None and name == "prefill_chunk":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EngineError(f"{name}={value!r} must be an int >= 1.")
+    if prompt_capacity + max_new_tokens > max_positions:
+        raise EngineError(f"prompt_capacity={prompt_capacity} + max_new_tokens={max_new_tokens} exceeds the "
+                          f"model's max_position_embeddings={max_positions}; lower one of them.")
 
 
 def check_request(request: Request, *, prompt_capacity: int, max_new_tokens: int, vocab_size: int,

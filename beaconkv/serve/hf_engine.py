@@ -33,8 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from ..detokenize import IncrementalDetokenizer
-from ..engine import Completion, Engine, EngineError, EngineStats, Event, Request, TokenLogprob
-from ..engine_requests import RunningRequest, stop_ends
+from ..engine import Completion, Engine, EngineStats, Event, Request, TokenLogprob
+from ..engine_requests import RunningRequest, check_engine_sizes, stop_ends
 from ..hf.cache import PolicyCache
 from ..policies.base import EvictionPolicy, FullKV
 from ..sampling import RowSampling, race_noise, sample_rows
@@ -80,17 +80,9 @@ class HFEngine(Engine):
                  max_batch: int = 8, prompt_capacity: int = 1024, max_new_tokens: int = 1024,
                  max_queue: int | None = None, seed: int = 0, prefill_chunk: int | None = None) -> None:
         # not Engine.__init__: no session, no pool of slots; the attributes the inherited methods read
-        for name, value in (("max_batch", max_batch), ("prompt_capacity", prompt_capacity),
-                            ("max_new_tokens", max_new_tokens), ("prefill_chunk", prefill_chunk)):
-            if value is None and name == "prefill_chunk":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise EngineError(f"{name}={value!r} must be an int >= 1.")
         self.config = model.config.get_text_config(decoder=True)
-        limit = self.config.max_position_embeddings
-        if prompt_capacity + max_new_tokens > limit:
-            raise EngineError(f"prompt_capacity={prompt_capacity} + max_new_tokens={max_new_tokens} exceeds the "
-                              f"model's max_position_embeddings={limit}; lower one of them.")
+        check_engine_sizes(max_batch, prompt_capacity, max_new_tokens, prefill_chunk,
+                           self.config.max_position_embeddings)
         self.model, self.tokenizer = model, tokenizer
         self.policy = policy if policy is not None else FullKV()
         self.max_batch, self.prompt_capacity, self.max_new_tokens = max_batch, prompt_capacity, max_new_tokens
