@@ -360,3 +360,14 @@ def test_bias_penalties_and_logprobs_through_the_engine_equal_a_step_by_step_ref
         top = lp.topk(2)
         assert [t for t, _ in entry.top] == top.indices.tolist()
         assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_batch": 0}, "max_batch=0 must be an int >= 1"),
+    ({"prompt_capacity": True}, "prompt_capacity=True must be an int >= 1"),
+    ({"prefill_chunk": 0}, "prefill_chunk=0 must be an int >= 1"),
+    ({"prompt_capacity": 10**6}, "exceeds the model's max_position_embeddings"),
+])
+def test_an_engine_refuses_bad_sizes_naming_them(llama, kwargs, message):
+    with pytest.raises(EngineError, match=message):
+        Engine(llama, None, **kwargs)
