@@ -32,9 +32,8 @@ from .conftest import NAME, PROMPT_CAPACITY, live_app
 LIMIT = DEFAULT_MAX_REQUEST_BYTES
 
 
-@pytest.fixture(scope="module")
-def spied(tiny_served):
-    """An app with a 64 KiB body limit whose tokenizer counts the characters it encodes."""
+def _counting_app(tiny_served, limits: RequestLimits):
+    """A live app with these limits whose tokenizer counts the characters it encodes (``app.encoded``)."""
     model, _ = tiny_served
     tok = beaconkv.load_tokenizer(beaconkv.embedded_model_path())
     encoded = []
@@ -45,8 +44,15 @@ def spied(tiny_served):
         return real(text, add_special_tokens)
 
     tok.encode = encode
-    app = live_app(model, tok, limits=RequestLimits(max_request_bytes=64 * 1024))
+    app = live_app(model, tok, limits=limits)
     app.encoded = encoded
+    return app
+
+
+@pytest.fixture(scope="module")
+def spied(tiny_served):
+    """An app with a 64 KiB body limit whose tokenizer counts the characters it encodes."""
+    app = _counting_app(tiny_served, RequestLimits(max_request_bytes=64 * 1024))
     try:
         yield app
     finally:
@@ -192,18 +198,7 @@ def test_the_answer_bound_refuses_the_probe_before_any_work():
 @pytest.fixture(scope="module")
 def bounded(tiny_served):
     """An app whose answers may hold 1,000 tokens (alternatives included), counting what it tokenizes."""
-    model, _ = tiny_served
-    tok = beaconkv.load_tokenizer(beaconkv.embedded_model_path())
-    encoded = []
-    real = tok.encode
-
-    def encode(text, add_special_tokens=False):
-        encoded.append(len(text))
-        return real(text, add_special_tokens)
-
-    tok.encode = encode
-    app = live_app(model, tok, limits=RequestLimits(max_answer_tokens=1000))
-    app.encoded = encoded
+    app = _counting_app(tiny_served, RequestLimits(max_answer_tokens=1000))
     try:
         yield app
     finally:
