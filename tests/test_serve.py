@@ -32,6 +32,8 @@ import pytest
 import beaconkv
 from beaconkv.cli import main
 
+from .serve.conftest import closed_by_server
+
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -614,18 +616,6 @@ def hostile(tmp_path_factory):
         srv.stop()
 
 
-def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except TimeoutError:
-        return False
-
-
 def test_half_open_sockets_never_keep_health_from_answering(hostile):
     """The issue's slow-loris (1,100 half-open sockets held /health for over 60 s), sized for CI: 300 sockets that
     never finish their head, against a cap of 64 and a 1 s head timeout."""
@@ -638,7 +628,7 @@ def test_half_open_sockets_never_keep_health_from_answering(hostile):
         t0 = time.perf_counter()
         r = httpx.get(hostile.url + "/health", timeout=10)
         assert r.status_code == 200 and time.perf_counter() - t0 < 5.0
-        assert all(_closed_by_server(s, 5.0) for s in socks)  # pushed out by newer ones, or timed out
+        assert all(closed_by_server(s, 5.0) for s in socks)  # pushed out by newer ones, or timed out
     finally:
         for s in socks:
             s.close()

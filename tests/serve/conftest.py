@@ -11,6 +11,7 @@ thread, for the tests that need real sockets.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -163,3 +164,16 @@ class ThreadServer:
         self.server.should_exit = True
         self.thread.join(20)
         self.sock.close()
+
+
+def closed_by_server(sock: socket.socket, timeout: float) -> bool:
+    """Whether the server closes ``sock`` within ``timeout`` seconds (reads end, or the connection resets)."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False

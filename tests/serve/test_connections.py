@@ -18,22 +18,9 @@ import pytest
 
 from beaconkv.serve.limits import ConnectionLimits, RequestLimits
 
-from .conftest import NAME, ThreadServer, httpx, make_engine, slow_tokenizer
+from .conftest import NAME, ThreadServer, closed_by_server, httpx, make_engine, slow_tokenizer
 
 PARTIAL_HEAD = b"GET /health HTTP/1.1\r\nHost: localhost\r\n"  # no blank line: the head never ends
-
-
-def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
-    """Whether the server closes ``sock`` within ``timeout`` seconds (reads end, or the connection resets)."""
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except TimeoutError:
-        return False
 
 
 def _response(sock: socket.socket, timeout: float = 5.0) -> bytes:
@@ -87,7 +74,7 @@ def test_half_open_sockets_beyond_the_cap_never_keep_health_from_answering(guard
         assert registry.evicted - evicted >= 100 - 64  # the flood pushed out its own oldest sockets
         assert len(registry.open) <= 64
         # every one of them is closed: pushed out, or its head timed out (1 s)
-        assert all(_closed_by_server(s, 5.0) for s in socks)
+        assert all(closed_by_server(s, 5.0) for s in socks)
         assert registry.evicted - evicted + registry.timed_out - timed_out >= 100
     finally:
         for s in socks:
@@ -134,7 +121,7 @@ def test_a_body_slower_than_the_body_timeout_gets_408_and_the_connection_closes(
         assert body["error"]["code"] == "request_timeout" and "--body-timeout" in body["error"]["message"]
         assert f"{2**20 - 1} of {2**20} bytes" in body["error"]["message"]
         assert 0.8 < elapsed < 5.0, elapsed
-        assert _closed_by_server(s, 2.0)
+        assert closed_by_server(s, 2.0)
     with httpx.Client(base_url=guarded.url) as c:
         counters = c.get("/metrics").text
     assert 'beaconkv_requests_refused_total{reason="body_timeout"} 1' in counters
