@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import logging
 import sys
 import time
@@ -159,8 +158,8 @@ def run_generation(args: argparse.Namespace, prompts: list[str]) -> int:
             print(text, end="", flush=True)
 
     with run if run is not None else contextlib.nullcontext():
-        out = (run.generate if run is not None else functools.partial(generate, model))(
-            tok, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        out = generate(
+            model, tok, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, seed=args.seed, policy=policy, chat=not args.raw, stream=stream,
             eos_token_ids=[] if args.ignore_eos else None, kv_storage=args.kv_storage, compile=compile_setting(args),
             kernels=args.kernels, prefill_chunk=args.prefill_chunk,

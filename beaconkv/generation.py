@@ -16,6 +16,7 @@ admissions). Eviction runs between steps, at steps the policy computes on the ho
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -295,7 +296,9 @@ def generate(
             its shard of ``model``'s checkpoint (``model.checkpoint_dir``, as :func:`~beaconkv.models.load_model`
             sets it; for a model too large for one device, start from
             :class:`beaconkv.distributed.TensorParallelRun` instead, which never loads the whole model).
-            ``model`` may also be rank 0's shard of a running group (then leave this at 1).
+            ``model`` may also be rank 0's shard of a running group (then leave this at 1); the shard of a
+            :class:`~beaconkv.distributed.launch.TensorParallelRun` runs under the run's
+            :meth:`~beaconkv.distributed.launch.TensorParallelRun.guard`.
 
         setup: The runtime options (``kv_storage``, ``cache_dtype``, ``kernels``, ``compile``,
             ``prefill_chunk``, ``threads``) as one :class:`~beaconkv.decode_setup.DecodeSetup`, instead of
@@ -313,83 +316,86 @@ def generate(
             :func:`~beaconkv.policies.make_policy`).
         beaconkv.CompileError: ``compile`` was asked for and ``torch.compile`` is unavailable or
             failed (there is no silent fallback to eager).
+        beaconkv.distributed.TensorParallelError: With ``tensor_parallel_size > 1`` or a
+            :class:`~beaconkv.distributed.launch.TensorParallelRun`'s shard: a rank that failed or died (named),
+            or a model tensor parallelism cannot run (a shard with a size, no checkpoint directory, a size the
+            model cannot be split by).
     """
-    setup = DecodeSetup.of(setup, kv_storage=kv_storage, cache_dtype=cache_dtype, kernels=kernels, compile=compile,
-                           prefill_chunk=prefill_chunk)
-    kv_storage, cache_dtype, kernels, compile, prefill_chunk = (setup.kv_storage, setup.cache_dtype, setup.kernels,
-                                                                setup.compile, setup.prefill_chunk)
-    setup.apply_threads()
-    if tensor_parallel_size != 1:  # spawn the ranks, run this call on rank 0 (here), stop them
-        from .distributed.launch import generate_tensor_parallel
-
-        return generate_tensor_parallel(
-            model, tokenizer, prompts, tensor_parallel_size, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, policy=policy, stream=stream, chat=chat, eos_token_ids=eos_token_ids,
-            stop=stop, cache_dtype=cache_dtype, compile=compile, capacity_tokens=capacity_tokens,
-            kv_storage=kv_storage, on_step=on_step, max_batch=max_batch, chat_template_kwargs=chat_template_kwargs,
-            kernels=kernels, prefill_chunk=prefill_chunk)
-    t_start = time.perf_counter()
-    _check_count("max_new_tokens", max_new_tokens)
-    params = SamplingParams(temperature, top_p, top_k)
-    policy = resolve_policy(policy)
-    ids = encode_prompts(tokenizer, prompts, chat, chat_template_kwargs)
-    if max_batch is not None:
-        _check_count("max_batch", max_batch)
-    if capacity_tokens is not None:
-        _check_count("capacity_tokens", capacity_tokens)
-        if capacity_tokens < max_new_tokens:
-            raise ValueError(f"capacity_tokens={capacity_tokens} must be >= max_new_tokens={max_new_tokens}.")
-    lengths = [len(p) for p in ids]
-    limit = model.config.max_position_embeddings
-    too_long = [(i, n) for i, n in enumerate(lengths) if n >= limit]
-    if too_long:
-        i, n = too_long[0]
-        raise PromptError(f"prompt {i} has {n} tokens, more than the model's max_position_embeddings={limit} "
-                          "leaves room for; shorten it.")
-    room = limit - max(lengths)
-    if max_new_tokens > room:
-        warnings.warn(f"max_new_tokens={max_new_tokens} capped to {room} by max_position_embeddings.", stacklevel=2)
-        max_new_tokens = room
-    capacity = min(capacity_tokens or max_new_tokens, room)
-    stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
-    make_engine = Engine
-    if getattr(model, "tensor_parallel", None) is not None:  # rank 0 of a tensor-parallel shard: the ranks mirror it
-        from .distributed.mirror import MirroredEngine as make_engine
-    try:
-        engine = make_engine(
-            model, tokenizer, policy=policy, max_batch=min(max_batch or len(ids), len(ids)),
-            prompt_capacity=max(lengths), max_new_tokens=capacity, kv_storage=kv_storage, cache_dtype=cache_dtype,
-            compile=compile, seed=0 if seed is None else seed, on_step=on_step, kernels=kernels,
-            prefill_chunk=prefill_chunk,
+    with _rank_guard(model):  # rank 0 of a TensorParallelRun: a rank that fails or dies -> one error naming it
+        setup = DecodeSetup.of(setup, kv_storage=kv_storage, cache_dtype=cache_dtype, kernels=kernels, compile=compile,
+                               prefill_chunk=prefill_chunk)
+        kv_storage, cache_dtype, kernels, compile, prefill_chunk = (setup.kv_storage, setup.cache_dtype, setup.kernels,
+                                                                    setup.compile, setup.prefill_chunk)
+        setup.apply_threads()
+        if tensor_parallel_size != 1:  # spawn the ranks, run this call on rank 0 (here), stop them
+            return _generate_tensor_parallel(
+                model, tokenizer, prompts, tensor_parallel_size, max_new_tokens=max_new_tokens,
+                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, policy=policy, stream=stream, chat=chat,
+                eos_token_ids=eos_token_ids, stop=stop, cache_dtype=cache_dtype, compile=compile,
+                capacity_tokens=capacity_tokens, kv_storage=kv_storage, on_step=on_step, max_batch=max_batch,
+                chat_template_kwargs=chat_template_kwargs, kernels=kernels, prefill_chunk=prefill_chunk)
+        t_start = time.perf_counter()
+        _check_count("max_new_tokens", max_new_tokens)
+        params = SamplingParams(temperature, top_p, top_k)
+        policy = resolve_policy(policy)
+        ids = encode_prompts(tokenizer, prompts, chat, chat_template_kwargs)
+        if max_batch is not None:
+            _check_count("max_batch", max_batch)
+        if capacity_tokens is not None:
+            _check_count("capacity_tokens", capacity_tokens)
+            if capacity_tokens < max_new_tokens:
+                raise ValueError(f"capacity_tokens={capacity_tokens} must be >= max_new_tokens={max_new_tokens}.")
+        lengths = [len(p) for p in ids]
+        limit = model.config.max_position_embeddings
+        too_long = [(i, n) for i, n in enumerate(lengths) if n >= limit]
+        if too_long:
+            i, n = too_long[0]
+            raise PromptError(f"prompt {i} has {n} tokens, more than the model's max_position_embeddings={limit} "
+                              "leaves room for; shorten it.")
+        room = limit - max(lengths)
+        if max_new_tokens > room:
+            warnings.warn(f"max_new_tokens={max_new_tokens} capped to {room} by max_position_embeddings.", stacklevel=2)
+            max_new_tokens = room
+        capacity = min(capacity_tokens or max_new_tokens, room)
+        stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
+        make_engine = Engine
+        if getattr(model, "tensor_parallel", None) is not None:  # rank 0 of a tensor-parallel shard: ranks mirror it
+            from .distributed.mirror import MirroredEngine as make_engine
+        try:
+            engine = make_engine(
+                model, tokenizer, policy=policy, max_batch=min(max_batch or len(ids), len(ids)),
+                prompt_capacity=max(lengths), max_new_tokens=capacity, kv_storage=kv_storage, cache_dtype=cache_dtype,
+                compile=compile, seed=0 if seed is None else seed, on_step=on_step, kernels=kernels,
+                prefill_chunk=prefill_chunk,
+            )
+            eos = list(eos_token_ids) if eos_token_ids is not None else None
+            requests = [Request(p, max_new_tokens, params, eos_token_ids=eos, stop=stop_strings,
+                                on_event=_streaming(stream, i)) for i, p in enumerate(ids)]
+            with torch.inference_mode():
+                done = engine.run(requests)
+        except EngineError as err:
+            raise PromptError(str(err)) from None
+        failed = next((c for c in done if c.finish_reason == "error"), None)
+        if failed is not None:  # a library call fails loudly (the engine isolates a failing request for servers)
+            if failed.exception is not None:
+                raise failed.exception
+            raise RuntimeError(failed.error)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        st = engine.session.state
+        executors = {id(e): e for e in (engine.session.decoder, st.executor)}.values()  # one object when shared
+        stats = GenerationStats(
+            prompt_tokens=lengths, new_tokens=[len(c.token_ids) for c in done], cache_capacity=engine.slot_capacity,
+            cache_bytes=engine.cache_bytes, evictions=[c.evictions for c in done], peak_cache_tokens=st.peak_tokens,
+            prefill_s=engine.stats.prefill_s, wall_time_s=time.perf_counter() - t_start,
+            decode_steps=engine.stats.steps, eviction_s=st.stats.eviction_seconds, policy_s=engine.session.policy_s,
+            compiled=engine.session.compiled,
+            compiled_evictions=st.stats.eviction_calls if st.executor.compiled else 0, max_batch=engine.max_batch,
+            kernels=engine.prepared.kernels, compile_s=sum(e.compile_s for e in executors),
         )
-        eos = list(eos_token_ids) if eos_token_ids is not None else None
-        requests = [Request(p, max_new_tokens, params, eos_token_ids=eos, stop=stop_strings,
-                            on_event=_streaming(stream, i)) for i, p in enumerate(ids)]
-        with torch.inference_mode():
-            done = engine.run(requests)
-    except EngineError as err:
-        raise PromptError(str(err)) from None
-    failed = next((c for c in done if c.finish_reason == "error"), None)
-    if failed is not None:  # a library call fails loudly (the engine isolates a failing request for servers)
-        if failed.exception is not None:
-            raise failed.exception
-        raise RuntimeError(failed.error)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-    st = engine.session.state
-    executors = {id(e): e for e in (engine.session.decoder, st.executor)}.values()  # one object when shared
-    stats = GenerationStats(
-        prompt_tokens=lengths, new_tokens=[len(c.token_ids) for c in done], cache_capacity=engine.slot_capacity,
-        cache_bytes=engine.cache_bytes, evictions=[c.evictions for c in done], peak_cache_tokens=st.peak_tokens,
-        prefill_s=engine.stats.prefill_s, wall_time_s=time.perf_counter() - t_start,
-        decode_steps=engine.stats.steps, eviction_s=st.stats.eviction_seconds, policy_s=engine.session.policy_s,
-        compiled=engine.session.compiled,
-        compiled_evictions=st.stats.eviction_calls if st.executor.compiled else 0, max_batch=engine.max_batch,
-        kernels=engine.prepared.kernels, compile_s=sum(e.compile_s for e in executors),
-    )
-    texts = [c.text for c in done] if tokenizer is not None else [""] * len(done)
-    reasons = [c.finish_reason for c in done]
-    return GenerationOutput([c.token_ids for c in done], texts, reasons, ids, stats, policy, st)
+        texts = [c.text for c in done] if tokenizer is not None else [""] * len(done)
+        reasons = [c.finish_reason for c in done]
+        return GenerationOutput([c.token_ids for c in done], texts, reasons, ids, stats, policy, st)
 
 
 def _streaming(stream: StreamCallback | None, index: int) -> Callable[[Event], None] | None:
@@ -402,3 +408,43 @@ def _streaming(stream: StreamCallback | None, index: int) -> Callable[[Event], N
 
     return on_event
 
+
+def _rank_guard(model: CausalLM) -> contextlib.AbstractContextManager[None]:
+    """The guard of the :class:`~beaconkv.distributed.launch.TensorParallelRun` whose rank-0 shard ``model`` is
+    (``model.tensor_parallel_guard``: a failure while generating becomes one
+    :class:`~beaconkv.distributed.group.TensorParallelError` naming the rank that failed or died), else nothing."""
+    guard = getattr(model, "tensor_parallel_guard", None)
+    return guard("generating") if guard is not None else contextlib.nullcontext()
+
+
+def _generate_tensor_parallel(model: CausalLM, tokenizer: Tokenizer | None, prompts: Any, tensor_parallel_size: int,
+                              **kwargs: Any) -> GenerationOutput:
+    """:func:`generate` with ``tensor_parallel_size`` ranks: a :class:`~beaconkv.distributed.launch.TensorParallelRun`
+    from the model's checkpoint, with this process as rank 0, for one call.
+
+    Args:
+        model: A model :func:`~beaconkv.models.load_model` loaded (its ``checkpoint_dir``, dtype and device
+            say what each rank loads).
+        tokenizer: The tokenizer.
+        prompts: The prompts.
+        tensor_parallel_size: Ranks.
+        **kwargs: :func:`generate`'s keyword arguments.
+
+    Raises:
+        TensorParallelError: A model without a checkpoint directory, a rank shard passed with a size, or the
+            run's own errors.
+    """
+    # late on purpose: only a call with tensor_parallel_size > 1 spawns processes (the launcher imports no generation)
+    from .distributed.group import TensorParallelError
+    from .distributed.launch import TensorParallelRun
+
+    if getattr(model, "tensor_parallel", None) is not None:
+        raise TensorParallelError("this model is already a tensor-parallel shard; call generate on it with "
+                                  "tensor_parallel_size=1 (its group is running).")
+    directory = getattr(model, "checkpoint_dir", None)
+    if directory is None:
+        raise TensorParallelError("tensor_parallel_size needs the model's checkpoint (each rank loads its shard from "
+                                  "it): load the model with beaconkv.load_model(path), or start "
+                                  "beaconkv.distributed.TensorParallelRun(path, size) yourself.")
+    with TensorParallelRun(directory, tensor_parallel_size, dtype=model.dtype, device=model.device) as run:
+        return generate(run.model, tokenizer, prompts, **kwargs)

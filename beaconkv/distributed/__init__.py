@@ -25,7 +25,7 @@ See the guide ``docs/guides/distributed.md`` for the memory arithmetic and the m
 
 from .group import DEFAULT_TIMEOUT_S, TensorParallel, TensorParallelError, under_torchrun
 from .heads import RankHeads, for_rank
-from .launch import TensorParallelRun, generate_tensor_parallel
+from .launch import TensorParallelRun
 from .layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
 from .loading import RankShard, load_shard
 from .mirror import MirroredEngine, SessionMirror, follow, lead, send_exit
@@ -34,6 +34,6 @@ from .plan import ShardPlan, check_tensor_parallel_size
 __all__ = [
     "DEFAULT_TIMEOUT_S", "MirroredEngine", "RankHeads", "RankShard", "RowParallelLinear", "SessionMirror",
     "ShardPlan", "TensorParallel", "TensorParallelError", "TensorParallelRun", "VocabParallelEmbedding",
-    "VocabParallelLMHead", "check_tensor_parallel_size", "follow", "for_rank", "generate_tensor_parallel", "lead",
+    "VocabParallelLMHead", "check_tensor_parallel_size", "follow", "for_rank", "lead",
     "load_shard", "send_exit", "under_torchrun",
 ]

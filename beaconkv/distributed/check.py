@@ -102,7 +102,7 @@ def run_check(device: str, ranks: int, log: Callable[[str], None] = print, max_n
             log(f"tensor parallelism: {ranks} ranks on {device} ({backend_for(device)}) started in "
                 f"{time.perf_counter() - t0:.1f}s; {run.model.shard_plan.describe()}")
             for name, make in policies.items():
-                got = run.generate(None, prompts, max_new_tokens=max_new_tokens, policy=make())
+                got = beaconkv.generate(run.model, None, prompts, max_new_tokens=max_new_tokens, policy=make())
                 same_tokens = got.token_ids == want[name].token_ids
                 pairs = list(zip(got.telemetry, want[name].telemetry))
                 same_kept = len(got.telemetry) == len(want[name].telemetry) and all(

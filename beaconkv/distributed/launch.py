@@ -44,7 +44,7 @@ from .loading import load_shard
 from .mirror import MirroredEngine, follow, send_exit
 from .plan import check_tensor_parallel_size
 
-__all__ = ["TensorParallelRun", "generate_tensor_parallel", "rank_device"]
+__all__ = ["TensorParallelRun", "rank_device"]
 
 logger = logging.getLogger("beaconkv.distributed")
 
@@ -110,7 +110,11 @@ class TensorParallelRun:
     :func:`beaconkv.generate` runs (its engine mirrored on every rank) as often as wanted::
 
         with TensorParallelRun("Qwen/Qwen3-32B", 4, dtype="bf16", device="cuda") as run:
-            out = run.generate(tokenizer, prompts, policy=beaconkv.BeaconKV(2048))
+            out = beaconkv.generate(run.model, tokenizer, prompts, policy=beaconkv.BeaconKV(2048))
+
+    The shard carries the run's :meth:`guard` as ``model.tensor_parallel_guard``: :func:`beaconkv.generate`
+    runs under it, so a rank that fails or dies during the call ends it with one
+    :class:`~beaconkv.distributed.group.TensorParallelError` naming that rank.
 
     Args:
         checkpoint: Checkpoint directory or hub id (every rank reads its own slices of it).
@@ -125,7 +129,7 @@ class TensorParallelRun:
             process keeps its own).
 
     Attributes:
-        model: Rank 0's shard.
+        model: Rank 0's shard (its ``tensor_parallel_guard`` is this run's :meth:`guard`).
         tp: Rank 0's group.
 
     Raises:
@@ -168,6 +172,7 @@ class TensorParallelRun:
                 self.tp = TensorParallel.join(spec.address, 0, size, timeout_s=timeout_s,
                                               device=rank_device(base, 0))
                 self.model: CausalLM = load_shard(directory, self.tp, spec.dtype, vocab_parallel=vocab_parallel)
+                self.model.tensor_parallel_guard = self.guard  # what beaconkv.generate runs the shard under
                 self.tp.barrier()
         except BaseException:
             self._stop()  # no rank outlives a run that did not start
@@ -178,24 +183,6 @@ class TensorParallelRun:
 
     def __exit__(self, *exc: object) -> None:
         self.close(failed=exc[0] is not None)
-
-    def generate(self, tokenizer: Any, prompts: Any, **kwargs: Any) -> Any:
-        """:func:`beaconkv.generate` on the shard (rank 0 here, the others mirroring), under :meth:`guard`.
-
-        Args:
-            tokenizer: The tokenizer (None: prompts are token ids).
-            prompts: As :func:`beaconkv.generate` takes them.
-            **kwargs: :func:`beaconkv.generate`'s keyword arguments (``compile`` and other ``kernels`` than
-                the model's are refused).
-
-        Returns:
-            The :class:`~beaconkv.generation.GenerationOutput`; with ``telemetry=True`` its records hold every
-            KV head's kept positions (gathered from the ranks).
-        """
-        from ..generation import generate
-
-        with self.guard("generating"):
-            return generate(self.model, tokenizer, prompts, **kwargs)
 
     def engine(self, tokenizer: Any = None, **kwargs: Any) -> MirroredEngine:
         """A continuous-batching :class:`~beaconkv.engine.Engine` on the shard, its session mirrored on every rank
@@ -331,31 +318,3 @@ def _group_broken(err: BaseException) -> bool:
     return isinstance(err, getattr(dist, "DistError", ())) or any(
         w in text for w in ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout"))
 
-
-def generate_tensor_parallel(model: CausalLM, tokenizer: Any, prompts: Any, tensor_parallel_size: int,
-                             **kwargs: Any) -> Any:
-    """:func:`beaconkv.generate` with ``tensor_parallel_size`` ranks: a :class:`TensorParallelRun` from the
-    model's checkpoint, with this process as rank 0, for one call.
-
-    Args:
-        model: A model :func:`~beaconkv.models.load_model` loaded (its ``checkpoint_dir``, dtype and device
-            say what each rank loads).
-        tokenizer: The tokenizer.
-        prompts: The prompts.
-        tensor_parallel_size: Ranks.
-        **kwargs: :func:`beaconkv.generate`'s keyword arguments.
-
-    Raises:
-        TensorParallelError: A model without a checkpoint directory, a rank shard passed with a size, or the
-            run's own errors.
-    """
-    if getattr(model, "tensor_parallel", None) is not None:
-        raise TensorParallelError("this model is already a tensor-parallel shard; call generate on it with "
-                                  "tensor_parallel_size=1 (its group is running).")
-    directory = getattr(model, "checkpoint_dir", None)
-    if directory is None:
-        raise TensorParallelError("tensor_parallel_size needs the model's checkpoint (each rank loads its shard from "
-                                  "it): load the model with beaconkv.load_model(path), or start "
-                                  "beaconkv.distributed.TensorParallelRun(path, size) yourself.")
-    with TensorParallelRun(directory, tensor_parallel_size, dtype=model.dtype, device=model.device) as run:
-        return run.generate(tokenizer, prompts, **kwargs)

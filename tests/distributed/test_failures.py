@@ -31,7 +31,8 @@ def test_replicated_vocabulary_then_a_killed_rank(tp_checkpoints):
     try:
         assert not run.model.shard_plan.vocab_parallel
         assert run.model.lm_head.weight.shape[0] == whole.config.vocab_size
-        assert run.generate(None, PROMPTS, max_new_tokens=12, policy=BeaconKV(16)).token_ids == want.token_ids
+        got = beaconkv.generate(run.model, None, PROMPTS, max_new_tokens=12, policy=BeaconKV(16))
+        assert got.token_ids == want.token_ids
         victim = run.processes.pids()[0]
         killed: list[float] = []
 
@@ -41,7 +42,7 @@ def test_replicated_vocabulary_then_a_killed_rank(tp_checkpoints):
                 killed.append(time.monotonic())
 
         with pytest.raises(TensorParallelError, match=r"while generating: rank 1 died of SIGKILL"):
-            run.generate(None, [[1, 2, 3]], max_new_tokens=500, eos_token_ids=[], stream=stream)
+            beaconkv.generate(run.model, None, [[1, 2, 3]], max_new_tokens=500, eos_token_ids=[], stream=stream)
         assert time.monotonic() - killed[0] < TIMEOUT_S / 2
         assert not any(p.is_alive() for p in run.processes.processes)
     finally:
@@ -67,9 +68,10 @@ def test_an_idle_group_outlives_the_collectives_timeout(tp_checkpoints):
     threads = torch.get_num_threads()
     with TensorParallelRun(tp_checkpoints["qwen3"], 2, timeout_s=4.0, threads=1) as run:
         assert run.tp.control is not run.tp.group
-        first = run.generate(None, PROMPTS, max_new_tokens=6, policy=BeaconKV(16))
+        first = beaconkv.generate(run.model, None, PROMPTS, max_new_tokens=6, policy=BeaconKV(16))
         time.sleep(5.0)
-        assert run.generate(None, PROMPTS, max_new_tokens=6, policy=BeaconKV(16)).token_ids == first.token_ids
+        again = beaconkv.generate(run.model, None, PROMPTS, max_new_tokens=6, policy=BeaconKV(16))
+        assert again.token_ids == first.token_ids
         engine = run.engine(None, policy=BeaconKV(16), max_batch=1, prompt_capacity=16, max_new_tokens=6)
         time.sleep(5.0)  # a server waiting for its first request
         with torch.inference_mode():
@@ -87,7 +89,7 @@ def test_rank_zero_refusals_leave_the_run_usable(tp_checkpoints):
                                 (dict(policy=beaconkv.TOVA(16, group_reduce="all_heads")), "averages scores over")):
             t0 = time.monotonic()
             with pytest.raises(TensorParallelError, match=message):
-                run.generate(None, PROMPTS, max_new_tokens=4, **kwargs)
+                beaconkv.generate(run.model, None, PROMPTS, max_new_tokens=4, **kwargs)
             assert time.monotonic() - t0 < 2.0
-        assert len(run.generate(None, PROMPTS, max_new_tokens=4).token_ids) == 2
+        assert len(beaconkv.generate(run.model, None, PROMPTS, max_new_tokens=4).token_ids) == 2
     torch.set_num_threads(threads)

@@ -62,7 +62,7 @@ def assert_same_evictions(got, want) -> None:
 def test_greedy_tokens_and_kept_positions_equal_one_process(split, name):
     kind, whole, run = split
     want = beaconkv.generate(whole, None, PROMPTS, max_new_tokens=24, policy=POLICIES[name]())
-    got = run.generate(None, PROMPTS, max_new_tokens=24, policy=POLICIES[name]())
+    got = beaconkv.generate(run.model, None, PROMPTS, max_new_tokens=24, policy=POLICIES[name]())
     assert got.token_ids == want.token_ids
     assert got.stats.evictions == want.stats.evictions
     assert_same_evictions(got.telemetry, want.telemetry)
@@ -109,6 +109,6 @@ def test_chunked_prefill_and_sampling_equal_one_process(split):
     for kwargs in (dict(prefill_chunk=8, policy=SnapKV(16, n_prefix=2, telemetry=True)),
                    dict(temperature=0.8, top_p=0.9, seed=3, policy=BeaconKV(16, telemetry=True))):
         want = beaconkv.generate(whole, None, PROMPTS, max_new_tokens=24, **kwargs)
-        got = run.generate(None, PROMPTS, max_new_tokens=24, **kwargs)  # a policy is settings: it serves both
+        got = beaconkv.generate(run.model, None, PROMPTS, max_new_tokens=24, **kwargs)  # a policy serves both
         assert got.token_ids == want.token_ids
         assert_same_evictions(got.telemetry, want.telemetry)

@@ -17,6 +17,7 @@ it buys: the per-rank memory, which is what lets a model past one GPU run at all
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,7 +134,7 @@ def run_tp_section(args: argparse.Namespace, path: Path, device: torch.device,
             log(f"  starting {label}…")
             with TensorParallelRun(path, ranks, vocab_parallel=vocab_parallel, threads=1) as run:
                 for b in batches:
-                    out = best(run.generate, b)
+                    out = best(functools.partial(generate, run.model), b)
                     s = out.stats
                     rows.append(TPRow(label, ranks, 1, vocab_parallel, b, new, s.tokens_per_s, 1e3 * b / s.tokens_per_s,
                                       share * s.cache_bytes / 2**20, _weight_mib(run.model),
