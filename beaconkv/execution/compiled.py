@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -38,8 +37,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from ..errors import BeaconKVError
+from . import graphs
 from .base import EagerExecutor, Executor
+from .compile_log import CompileError, compile_logger, compile_subject, describe_call
 from .dispatch import MISS, CachedGraphs
 
 CPU_GEMV_LIMITS = {"cpu_max_other_dimension_decomposition": 1 << 20}
@@ -54,10 +54,6 @@ RECORDERS = ("cuda", "op_replay")
 RECOMPILE_LIMIT = 64
 """Most graphs one compiled function may hold (shapes, dtypes, models, policies) before
 :class:`CompileError` is raised instead of dynamo's silent fallback to eager."""
-
-
-class CompileError(BeaconKVError, RuntimeError):
-    """``torch.compile`` is unavailable here or failed to compile a step; nothing fell back to eager."""
 
 
 class RecompileWarning(UserWarning):
@@ -309,12 +305,6 @@ def compiled(fn: Callable[..., Any], config: CompileConfig,
     return _COMPILED[key]
 
 
-def _describe(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
-    """``fn``'s name, and the class of the object it runs for (a policy) when that is its first argument."""
-    owner = f" of {type(args[0]).__name__}" if args and not isinstance(args[0], (Tensor, nn.Module)) else ""
-    return f"{fn.__qualname__}{owner}"
-
-
 @contextlib.contextmanager
 def compile_guard(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> Iterator[None]:
     """Turns a dynamo/inductor failure into :class:`CompileError` naming the function (and the policy).
@@ -329,24 +319,13 @@ def compile_guard(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> Iterato
         yield
     except (dynamo.exc.TorchDynamoException, dynamo.exc.FailOnRecompileLimitHit) as err:
         raise CompileError(
-            f"torch.compile(fullgraph=True) failed on {_describe(fn, args)}: {type(err).__name__}: "
+            f"torch.compile(fullgraph=True) failed on {describe_call(fn, args)}: {type(err).__name__}: "
             f"{str(err).strip()[:2000]}\nNothing fell back to eager; pass compile=False to decode eagerly."
         ) from err
 
 
-compile_logger = logging.getLogger("beaconkv.compile")
-"""Where every compile an executor runs is announced (INFO): ``compiling <what>…``, then
-``compiled <what> in N s``."""
-
 _COMPILES = [0]  # compiles dynamo started in this process, counted by the callback below
 _RUNNING: list[Any] = [None, False]  # [(fn, args) an executor is calling, whether its compile was announced]
-
-
-def compile_subject(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> str:
-    """How a compile line names ``fn``: ``the decode step (decode_and_sample)``, ``evict_layer of BeaconKV``."""
-    if fn.__module__.endswith(".execution.decode") or fn.__qualname__ == "decode_layers":
-        return f"the decode step ({fn.__qualname__})"
-    return _describe(fn, args)
 
 
 def _count_compile(*_: Any) -> None:
@@ -499,8 +478,6 @@ def make_executor(compile: bool | CompileConfig | None, device: torch.device | s
         eager = EagerExecutor()
         return eager, eager
     if config.strategy_on(device) == "graphs":
-        from . import graphs  # it imports this module (its error derives from CompileError)
-
         decode: Executor = graphs.GraphExecutor(graphs.graph_recorder(device, config.recorder))
     else:
         decode = CompiledExecutor(config, device)

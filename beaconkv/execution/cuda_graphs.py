@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from .graphs import GraphCaptureError, GraphRecorder, RecordedGraph
+from .recording import GraphCaptureError, GraphRecorder, RecordedGraph
 
 __all__ = ["CUDAGraphRecorder", "CUDARecordedGraph"]
 

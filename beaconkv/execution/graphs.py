@@ -33,9 +33,12 @@ reduce-overhead steps and vLLM's captured batch sizes):
 * **no host wait inside**: a function that reads a tensor's value on the host cannot be recorded
   (:class:`GraphCaptureError`): the rule :func:`~beaconkv.execution.no_host_sync` checks.
 
-The device-specific part is one small seam, :class:`GraphRecorder`: :class:`~beaconkv.execution.CUDAGraphRecorder`
-records ``torch.cuda.CUDAGraph`` s; :class:`~beaconkv.execution.OpReplayRecorder` records the aten
-operations of the eager run and replays them on the same tensors — the CPU stand-in that lets every
+The device-specific part is one small seam, :class:`~beaconkv.execution.recording.GraphRecorder`
+(:mod:`beaconkv.execution.recording`, with :class:`~beaconkv.execution.recording.RecordedGraph` and
+:class:`~beaconkv.execution.recording.GraphCaptureError`, all three still importable from here):
+:class:`~beaconkv.execution.CUDAGraphRecorder` records ``torch.cuda.CUDAGraph`` s;
+:class:`~beaconkv.execution.OpReplayRecorder` records the aten operations of the eager run and replays them on
+the same tensors — the CPU stand-in that lets every
 piece of this protocol run in the CPU tests (and tells on any machine whether a custom policy would
 replay correctly as a CUDA graph).
 """
@@ -54,7 +57,10 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from .base import Executor
-from .compiled import CompileError, compile_logger, compile_subject
+from .compile_log import compile_logger, compile_subject, describe_call
+from .cuda_graphs import CUDAGraphRecorder
+from .op_replay import OpReplayRecorder
+from .recording import GraphCaptureError, GraphRecorder, RecordedGraph
 
 __all__ = ["GRAPH_LIMIT", "GraphCaptureError", "GraphExecutor", "GraphLimitWarning", "GraphRecorder", "RecordedGraph",
            "graph_recorder", "host_flags"]
@@ -64,47 +70,8 @@ GRAPH_LIMIT = 64
 a call of a new shape runs eagerly, with a :class:`GraphLimitWarning`."""
 
 
-class GraphCaptureError(CompileError):
-    """A device function could not be recorded as a graph (a host read of a tensor's value, an operation the
-    device cannot record, no CUDA device); nothing fell back to eager. A :class:`~beaconkv.execution.CompileError`:
-    whoever handles a failed compile handles this too."""
-
-
 class GraphLimitWarning(UserWarning):
     """A :class:`GraphExecutor` holds :data:`GRAPH_LIMIT` graphs: calls of further shapes run eagerly."""
-
-
-class RecordedGraph:
-    """A recorded graph: :meth:`replay` repeats the recorded device work on the same tensors and writes its
-    results into :attr:`outputs`.
-
-    Attributes:
-        outputs: What the recorded function returned, as tensors the graph owns (overwritten by each replay).
-    """
-
-    outputs: Any = None
-
-    def replay(self) -> None:
-        """Runs the recorded work again (on CUDA: queued on the current stream; the host does not wait)."""
-        raise NotImplementedError
-
-
-class GraphRecorder:
-    """The seam between :class:`GraphExecutor` and a device: records a function as a replayable graph."""
-
-    def record(self, fn: Callable[[], Any]) -> tuple[Any, RecordedGraph]:
-        """Runs ``fn()`` once for real and records it as a graph.
-
-        Args:
-            fn: The call to record, over the executor's static input buffers.
-
-        Returns:
-            ``(outputs of the real run — the call's result, the recorded graph)``.
-
-        Raises:
-            GraphCaptureError: ``fn`` cannot be recorded (the real run's own exceptions propagate as they are).
-        """
-        raise NotImplementedError
 
 
 # ------------------------------------------------------------------------------------------------- keys
@@ -192,11 +159,6 @@ def _substitute(x: Any, buffers: Iterator[Tensor], seen: dict[int, Tensor]) -> A
 
 def _clone(out: Any) -> Any:
     return tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, out)
-
-
-def _describe(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
-    owner = f" of {type(args[0]).__name__}" if args and not isinstance(args[0], (Tensor, torch.nn.Module)) else ""
-    return f"{fn.__qualname__}{owner}"
 
 
 class _WriteWatch(torch.utils._python_dispatch.TorchDispatchMode):
@@ -320,7 +282,7 @@ class GraphExecutor(Executor):
             with watch:
                 out, graph = self.recorder.record(lambda: fn(*static_args))
         except GraphCaptureError as err:
-            raise GraphCaptureError(f"{_describe(fn, args)}: {err}") from err
+            raise GraphCaptureError(f"{describe_call(fn, args)}: {err}") from err
         written = sorted(watch.written)
         for i in written:  # the recording run was the call's own run: its writes reach the caller's tensors
             tensors[i].copy_(buffers[i])
@@ -338,8 +300,6 @@ def graph_recorder(device: torch.device | str, kind: str = "cuda") -> GraphRecor
     """
     device = torch.device(device)
     if kind == "op_replay":
-        from .op_replay import OpReplayRecorder
-
         return OpReplayRecorder()
     if kind != "cuda":
         raise ValueError(f"kind={kind!r}: choose 'cuda' or 'op_replay'.")
@@ -347,6 +307,4 @@ def graph_recorder(device: torch.device | str, kind: str = "cuda") -> GraphRecor
         raise GraphCaptureError(
             f"CUDA graphs need a CUDA device; got {device}. Use CompileConfig(strategy='compile') (torch.compile, "
             "the CPU default) or compile=False; OpReplayRecorder replays recorded graphs on any device for tests.")
-    from .cuda_graphs import CUDAGraphRecorder
-
     return CUDAGraphRecorder(device)

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .graphs import GraphCaptureError, GraphRecorder, RecordedGraph
+from .recording import GraphCaptureError, GraphRecorder, RecordedGraph
 from .sync import _reason
 
 __all__ = ["OpReplayGraph", "OpReplayRecorder"]
