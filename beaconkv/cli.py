@@ -80,7 +80,7 @@ class _Stderr(logging.Handler):
 
 
 def show_compiles() -> None:
-    """Shows every compile's lines (:data:`~beaconkv.execution.compiled.compile_logger`) on stderr as
+    """Shows every compile's lines (:data:`~beaconkv.execution.compile_log.compile_logger`) on stderr as
     ``beaconkv: compiling the decode step (decode_and_sample)…`` and ``beaconkv: compiled ... in N s`` (once)."""
     if not any(isinstance(h, _Stderr) for h in compile_logger.handlers):
         handler = _Stderr()
