@@ -145,6 +145,13 @@ def test_the_suite_resumes_refuses_other_settings_and_reports(tiny_checkpoint, t
     text = markdown_report(rows)
     assert "### passkey, agnostic" in text and "| FullKV |" in text and "| streaming |" in text
     assert plot_accuracy(rows, tmp_path / "a.png").stat().st_size > 1000
+    alone = markdown_report([r for r in rows if r["policy"] == "full"])  # a FullKV-only cell: its column shown
+    assert "| policy | 120 / 1x |" in alone and "| FullKV | " + _pct_of(rows, "full") + " |" in alone
+
+
+def _pct_of(rows, policy):
+    row = next(r for r in rows if r["policy"] == policy)
+    return f"{100 * row['accuracy']:.0f} [{100 * row['lo']:.0f}-{100 * row['hi']:.0f}]"
 
 
 def test_cli_options_make_the_config() -> None:

@@ -49,7 +49,9 @@ def markdown_report(rows: Sequence[dict[str, Any]]) -> str:
         groups[(row["task"], row["protocol"])].append(row)
     out = []
     for (task, protocol), group in groups.items():
-        columns = sorted({_column(r) for r in group if r["compression"] is not None})
+        # the compressed cells' columns; a group with only the references (FullKV, kvpress's 'none') shows theirs
+        columns = sorted({_column(r) for r in group if r["compression"] is not None}) or sorted(
+            {_column(r) for r in group})
         header = ["policy"] + [f"{length} / {c:g}x" for length, c in columns]
         unit = "decode steps" if protocol == "decode" else "context tokens"
         out.append(f"### {task}, {protocol} (accuracy %, 95% interval; columns: {unit} / compression)\n")
