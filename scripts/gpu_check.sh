@@ -6,7 +6,7 @@
 #                        each at the largest batch that fits 90% of the device;
 #   2. engine            the engine section at one KV-memory limit (continuous vs static batches, BeaconKV vs FullKV);
 #   3. cuda_tests        the tests marked `cuda` (8 workers with pytest-xdist);
-#   4. tensor_parallel   python -m beaconkv.distributed.check: NCCL over 2 GPUs (gloo with --device cpu), tokens and
+#   4. tensor_parallel   python -m beaconkv.measure.distributed_check: NCCL over 2 GPUs (gloo with --device cpu), tokens and
 #                        kept positions equal to one process; with fewer than 2 GPUs it says it skipped TP;
 #   5. graph_vs_compile  recorded CUDA graphs vs inductor's shapes (SmolLM2-135M shape): runs when time is left.
 # Each stage prints its lines as they come and writes JSON under the output folder; a stage (or, inside table4, a
@@ -61,7 +61,7 @@ for _ in range(30):
         importlib.import_module("beaconkv.measure.speed.table4_generation")
         importlib.import_module("beaconkv.measure.speed.engine_bench")
         importlib.import_module("beaconkv.measure.speed.graph_decode")
-        importlib.import_module("beaconkv.distributed.check")
+        importlib.import_module("beaconkv.measure.distributed_check")
         break
     except ModuleNotFoundError as err:
         name = (err.name or "").split(".")[0]

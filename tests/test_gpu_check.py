@@ -153,10 +153,10 @@ def test_a_missing_package_is_refused_in_one_line(tmp_path: Path) -> None:
 def test_the_tensor_parallel_stage_runs_the_distributed_check_and_reads_its_verdict(monkeypatch) -> None:
     """The stage's command is the check's (the smoke run at tiny sizes); its verdict line is what the summary
     shows, a skip on a machine with fewer than 2 GPUs included."""
-    from beaconkv.distributed import check
+    from beaconkv.measure import distributed_check as check
 
     command = gpu_check.tensor_parallel_command(argparse.Namespace(smoke=True, device="cpu"), "python")
-    assert command[:3] == ["python", "-m", "beaconkv.distributed.check"] and command[3:7] == ["--device", "cpu",
+    assert command[:3] == ["python", "-m", "beaconkv.measure.distributed_check"] and command[3:7] == ["--device", "cpu",
                                                                                               "--ranks", "2"]
     calls = []
     monkeypatch.setattr(check, "run_check", lambda *a, **k: calls.append((a, k)) or True)

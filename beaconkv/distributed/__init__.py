@@ -18,7 +18,7 @@ Four ways in:
 * under ``torchrun``: :meth:`TensorParallel.split`, :func:`load_shard`, then :func:`lead` on rank 0 and
   :func:`follow` elsewhere (:mod:`~beaconkv.distributed.mirror` shows the script);
 * ``beaconkv eval --tensor-parallel-size 2``, alone or under ``torchrun`` (world = data parallel x tensor
-  parallel): :mod:`~beaconkv.distributed.eval`.
+  parallel): :mod:`~beaconkv.eval.tensor_parallel`.
 
 See the guide ``docs/guides/distributed.md`` for the memory arithmetic and the measured costs.
 """

@@ -53,7 +53,6 @@ from typing import Any, BinaryIO, cast
 import torch
 from tqdm.auto import tqdm
 
-from ..distributed import eval as tensor_parallel_eval
 from ..engine import Request
 from ..policies import EvictionPolicy
 from ..policies.registry import policy_display_name
@@ -68,6 +67,7 @@ from .backend import (
 from .benchmarks import Problem, get_benchmark
 from .config import EvalConfig
 from .datasets import load_benchmark
+from . import tensor_parallel as tensor_parallel_eval
 from .distributed import (
     DistContext,
     barrier,
@@ -200,7 +200,7 @@ def run_eval(
             (the core backend; it lowers ``max_new_tokens`` to what fits, with a warning, otherwise).
         TensorParallelError: With ``config.tensor_parallel_size > 1`` (and no ``backend`` given: an injected
             backend runs as it is), a size the model cannot be split by or a rank that failed (named); see
-            :mod:`beaconkv.distributed.eval`.
+            :mod:`beaconkv.eval.tensor_parallel`.
     """
     spec = get_benchmark(config.benchmark)
     policy = config.make_policy()

@@ -122,7 +122,7 @@ def test_data_parallel_times_tensor_parallel_under_torchrun(chat_checkpoint, dat
 
 def test_a_killed_rank_ends_the_evaluation_with_one_error(chat_checkpoint, tmp_path, monkeypatch):
     """Rank 1 killed at rank 0's first decode step: one TensorParallelError naming it, no rank left running."""
-    from beaconkv.distributed import eval as tp_eval
+    from beaconkv.eval import tensor_parallel as tp_eval
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     runs = []

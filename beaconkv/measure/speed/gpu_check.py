@@ -10,7 +10,7 @@ A lent GPU comes for a few minutes and one call; this runs, in order:
    batching against static batches, BeaconKV against FullKV (:mod:`.engine_bench`, random prompt ids);
 3. ``cuda_tests`` — the tests marked ``cuda`` (transformers parity, recorded CUDA graphs and inductor against
    eager, every policy under CUDA's sync debug mode), on 8 pytest workers where pytest-xdist is installed;
-4. ``tensor_parallel`` — ``python -m beaconkv.distributed.check``: a random Qwen3 generated in one process and over
+4. ``tensor_parallel`` — ``python -m beaconkv.measure.distributed_check``: a random Qwen3 generated in one process and over
    2 ranks with NCCL (gloo with ``--device cpu``), tokens and kept positions compared for three policies; with
    fewer than 2 GPUs it says it skipped tensor parallelism (the stage's status and the summary say so too);
 5. ``graph_vs_compile`` — the recorded CUDA graphs against inductor's compiled shapes on the SmolLM2-135M shape
@@ -226,10 +226,10 @@ def cuda_tests_command(args: argparse.Namespace, python: str = sys.executable) -
 
 
 def tensor_parallel_command(args: argparse.Namespace, python: str = sys.executable) -> list[str]:
-    """The command of the ``tensor_parallel`` stage: :mod:`beaconkv.distributed.check` over 2 ranks (the smoke run:
+    """The command of the ``tensor_parallel`` stage: :mod:`beaconkv.measure.distributed_check` over 2 ranks (the smoke run:
     24 new tokens at budget 16, one thread per rank)."""
     smoke = ["--max-new-tokens", "24", "--budget", "16", "--threads", "1"] if args.smoke else []
-    return [python, "-m", "beaconkv.distributed.check", "--device", args.device, "--ranks", "2", *smoke]
+    return [python, "-m", "beaconkv.measure.distributed_check", "--device", args.device, "--ranks", "2", *smoke]
 
 
 def _tensor_parallel_result(output: str) -> str:
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         return orchestrate(args)
     runners = {"table4": run_table4_stage, "engine": run_engine_stage, "graph_vs_compile": run_graph_vs_compile_stage}
     if args.stage not in runners:
-        parser.error(f"--stage {args.stage} runs its own command (pytest, beaconkv.distributed.check), not here")
+        parser.error(f"--stage {args.stage} runs its own command (pytest, beaconkv.measure.distributed_check), not here")
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 

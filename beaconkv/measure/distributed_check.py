@@ -1,6 +1,6 @@
 """The tensor-parallel device check: NCCL over the GPUs when the machine has enough of them, else it says it skipped.
 
-``python -m beaconkv.distributed.check`` (what a GPU check script runs) saves a small random Qwen3
+``python -m beaconkv.measure.distributed_check`` (what a GPU check script runs) saves a small random Qwen3
 checkpoint — 8 query and 2 KV heads, so 2 ranks split the KV heads and 4 replicate them — generates with
 it in one process, then with ``--ranks`` ranks (NCCL on ``cuda:0 .. ranks-1``, or gloo with ``--device cpu``),
 for BeaconKV, SnapKV and a head-adaptive SnapKV, and compares the greedy tokens and every eviction's kept
@@ -82,8 +82,8 @@ def run_check(device: str, ranks: int, log: Callable[[str], None] = print, max_n
     import beaconkv
     from beaconkv import BeaconKV, HeadAdaptive, SnapKV
 
-    from .group import backend_for
-    from .launch import TensorParallelRun
+    from ..distributed.group import backend_for
+    from ..distributed.launch import TensorParallelRun
 
     policies = {f"BeaconKV({budget})": lambda: BeaconKV(budget, telemetry=True),
                 f"SnapKV({budget})": lambda: SnapKV(budget, telemetry=True),
@@ -117,9 +117,9 @@ def run_check(device: str, ranks: int, log: Callable[[str], None] = print, max_n
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m beaconkv.distributed.check [--device cuda|cpu] [--ranks N] [--max-new-tokens N] [--threads N]``;
+    """``python -m beaconkv.measure.distributed_check [--device cuda|cpu] [--ranks N] [--max-new-tokens N] [--threads N]``;
     0 when it passed or skipped."""
-    parser = argparse.ArgumentParser(prog="python -m beaconkv.distributed.check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m beaconkv.measure.distributed_check", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda: NCCL over the GPUs (default); cpu: gloo, every rank on this CPU")
     parser.add_argument("--ranks", type=int, default=2, help="tensor-parallel size (default 2; 4 replicates the KV "

@@ -29,15 +29,15 @@ from typing import Any
 import torch
 
 from ..arguments import model_path
-from ..eval.backend import CoreEvalEngine, GenerationBackend, make_core_engine, resolve_eval_dtype
-from ..eval.config import EvalConfig
-from ..eval.distributed import DistContext, barrier
+from .backend import CoreEvalEngine, GenerationBackend, make_core_engine, resolve_eval_dtype
+from .config import EvalConfig
+from .distributed import DistContext, barrier
 from ..models.decoder import CausalLM
 from ..tokenizer import load_tokenizer
-from .group import TensorParallel, TensorParallelError
-from .launch import TensorParallelRun, _group_broken
-from .loading import load_shard
-from .mirror import MirroredEngine, follow, send_exit
+from ..distributed.group import TensorParallel, TensorParallelError
+from ..distributed.launch import TensorParallelRun, _group_broken
+from ..distributed.loading import load_shard
+from ..distributed.mirror import MirroredEngine, follow, send_exit
 
 __all__ = ["MirroredEvalEngine", "run_tensor_parallel", "tensor_parallel_backend"]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import beaconkv
-from beaconkv.distributed import check
+from beaconkv.measure import distributed_check as check
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
