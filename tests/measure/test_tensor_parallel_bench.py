@@ -35,3 +35,11 @@ def test_tp_section_refuses_one_rank(tiny_models):
     args = argparse.Namespace(tp_ranks=1, tp_batches="1", tp_new_tokens=4, budget=16, repeats=1)
     with pytest.raises(BenchError, match="--tp-ranks=1 must be at least 2"):
         run_tp_section(args, tiny_models["qwen3"][0], torch.device("cpu"), lambda msg: None)
+
+
+def test_bench_takes_vllms_name_for_the_ranks() -> None:
+    from beaconkv.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--sections", "tp", "--tensor-parallel-size", "4"])
+    assert args.tp_ranks == 4
+    assert build_parser().parse_args(["bench", "--sections", "tp"]).tp_ranks == 2

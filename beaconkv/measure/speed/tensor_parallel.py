@@ -70,8 +70,9 @@ class TPRow:
 
 def add_tp_arguments(group: Any) -> None:
     """The options of the ``tp`` section."""
-    group.add_argument("--tp-ranks", type=int, default=2, help="ranks of the tensor-parallel runs, one thread each; "
-                                                             "the single process gets as many threads (default 2)")
+    group.add_argument("--tp-ranks", "--tensor-parallel-size", dest="tp_ranks", type=int, default=2,
+                       help="ranks of the tp section's tensor-parallel runs (vLLM's name works too), one thread "
+                            "each; the single process gets as many threads (default 2)")
     group.add_argument("--tp-batches", type=str, default="1,4", help="batch sizes (default 1,4)")
     group.add_argument("--tp-new-tokens", type=int, default=64, help="new tokens per sequence (default 64)")
 
