@@ -165,9 +165,15 @@ def test_bench_with_a_missing_model_fails_in_one_line_before_measuring(tmp_path,
 
 
 def test_quick_bench_runs_every_section_with_progress(tiny_models, tmp_path, capsys):
+    from beaconkv.cli import show_compiles
+    from beaconkv.execution.compile_log import compile_logger
+
+    show_compiles()  # as the command does: the compile lines must still come as the bench's timed lines
+    handlers = compile_logger.handlers[:]
     argv = ["bench", "--quick", "--model", str(tiny_models["llama"][0]), "--threads", "1", "--compile-backend",
             "aot_eager", "--out", str(tmp_path)]
     assert run_bench(build_parser().parse_args(argv)) == 0
+    assert compile_logger.handlers == handlers  # given back
     res = json.loads((tmp_path / "bench.json").read_text())
     s = res["settings"]
     assert s["no_transformers_compile"] and s["eager_sections"] and s["budget"] == 32 and s["n_recent"] == 4
@@ -179,6 +185,7 @@ def test_quick_bench_runs_every_section_with_progress(tiny_models, tmp_path, cap
     assert "--quick" in (tmp_path / "bench.md").read_text() and "eager" in (tmp_path / "bench.md").read_text()
     log = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Loading weights" not in line]
     assert [line for line in log if not re.match(r"\[\s*\d+s\] ", line)] == [], "every line carries the elapsed time"
+    assert any(re.match(r"\[\s*\d+s\] compiled the decode step .* in [\d.]+ s$", line) for line in log), log
     started = [line for line in log if line.endswith("…")]
     for what in ("beaconkv compiled", "BeaconKV(32) to 96 tokens", "context 64: FullKV", "beacon: 1 run(s)"):
         assert any(what in line for line in started), f"{what!r} is not announced before it runs"

@@ -9,10 +9,13 @@ goes silent. ``--quick`` is a smoke run of every default section at tiny sizes (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import platform
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ from ...arguments import (
     str_list,
 )
 from ...execution import CompileConfig
+from ...execution.compile_log import compile_logger
 from ...models.config import ModelConfig
 from ...models.loading import load_model, resolve_checkpoint, resolve_device
 from ...policies.registry import auto_n_recent, make_policy, policy_parameters
@@ -147,6 +151,35 @@ def run_bench(args: argparse.Namespace) -> int:
         FileNotFoundError: ``--model`` names no checkpoint (checked before anything runs).
     """
     t0 = time.perf_counter()
+    with _compiles_in_the_log(lambda msg: _log(t0, msg)):
+        return _run_bench(args, t0)
+
+
+def _log(t0: float, msg: str) -> None:
+    print(f"[{time.perf_counter() - t0:5.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _compiles_in_the_log(log: Callable[[str], None]) -> Iterator[None]:
+    """While the bench runs, the compile lines (:data:`~beaconkv.execution.compile_log.compile_logger`) are
+    log lines of the bench, with its elapsed seconds, instead of the command's plain ``beaconkv: ...`` lines."""
+
+    class _Log(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            log(record.getMessage())
+
+    saved = compile_logger.handlers[:], compile_logger.level, compile_logger.propagate
+    compile_logger.handlers[:] = [_Log()]
+    compile_logger.setLevel(logging.INFO)
+    compile_logger.propagate = False
+    try:
+        yield
+    finally:
+        compile_logger.handlers[:], level, compile_logger.propagate = saved
+        compile_logger.setLevel(level)
+
+
+def _run_bench(args: argparse.Namespace, t0: float) -> int:
     args.budget = WORKLOAD_BUDGETS["bench"] if args.budget is None else args.budget
     if args.quick:
         _apply_quick(args)
@@ -173,7 +206,7 @@ def run_bench(args: argparse.Namespace) -> int:
     section_compile = None if args.eager_sections else compile_config
 
     def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:5.0f}s] {msg}", file=sys.stderr, flush=True)
+        _log(t0, msg)
 
     log("measuring the streaming bandwidth…")
     stream = streaming_bandwidth(device, nbytes=(1 << 28) if args.quick else (1 << 30))
