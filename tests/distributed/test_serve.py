@@ -100,6 +100,13 @@ def test_the_application_over_two_ranks_answers_as_one_process(served, single_an
     assert not torch.distributed.is_initialized()
 
 
+def _interruptible() -> None:
+    """In the server's process before it starts: SIGINT as a terminal gives it. A pytest-xdist worker ignores
+    SIGINT, a child inherits that, and Python then installs no KeyboardInterrupt handler (the server would exit 0
+    on Ctrl-C instead of 130)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class _Server:
     """``beaconkv serve --tensor-parallel-size 2`` in a subprocess on a free port."""
 
@@ -113,7 +120,7 @@ class _Server:
              "--tensor-parallel-size", "2", "--threads", "1", "--max-batch", "4", "--prompt-capacity", "128",
              "--max-new-tokens", "16", "--served-model-name", NAME, "--log-level", "warning", *POLICY],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            text=True)
+            text=True, preexec_fn=_interruptible)
         deadline = time.monotonic() + 120
         while True:
             assert self.proc.poll() is None, self.output()
