@@ -182,13 +182,7 @@ class Engine(EngineAdmission):
         )
         self.device = self.session.device
         self.max_queue, self.on_step = max_queue, on_step
-        self.stats = EngineStats()
-        self._ids = itertools.count()
-        self._seeds = itertools.count(seed)
-        self._lock = threading.Lock()
-        self._waiting: deque[tuple[int, Request, float, int]] = deque()
-        self._cancelled: set[int] = set()
-        self._slots: list[RunningRequest | None] = [None] * max_batch
+        self._start_queue(max_batch, seed)
         self._params: list[SamplingParams] = [SamplingParams()] * max_batch
         self._sampling = RowSampling.of(self._params, self.device, vocab_size=self.vocab_size)
         self.session.decoder.prepare(self._sampling)  # written in place by every step (static under CUDA graphs)
@@ -200,6 +194,17 @@ class Engine(EngineAdmission):
         return self.model.config.vocab_size
 
     # ------------------------------------------------------------------------------- requests
+    def _start_queue(self, max_batch: int, seed: int) -> None:
+        """The request queue's state: statistics, ids, seeds, the lock, the waiting and cancelled requests and
+        ``max_batch`` empty places (what every engine that reuses this one's queue sets up)."""
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._seeds = itertools.count(seed)
+        self._lock = threading.Lock()
+        self._waiting: deque[tuple[int, Request, float, int]] = deque()
+        self._cancelled: set[int] = set()
+        self._slots: list[RunningRequest | None] = [None] * max_batch
+
     def validate(self, request: Request) -> None:
         """Checks a request against the pool (called by :meth:`submit`).
 

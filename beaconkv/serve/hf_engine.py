@@ -23,17 +23,14 @@ request with ``finish_reason="error"``; the others go on.
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from ..detokenize import IncrementalDetokenizer
-from ..engine import Completion, Engine, EngineStats, Event, Request, TokenLogprob
+from ..engine import Completion, Engine, Event, Request, TokenLogprob
 from ..engine_requests import RunningRequest, check_engine_sizes, stop_ends
 from ..hf.cache import PolicyCache
 from ..policies.base import EvictionPolicy, FullKV
@@ -88,13 +85,7 @@ class HFEngine(Engine):
         self.max_batch, self.prompt_capacity, self.max_new_tokens = max_batch, prompt_capacity, max_new_tokens
         self.prefill_chunk, self.max_queue, self.on_step = prefill_chunk, max_queue, None
         self.device = next(model.parameters()).device
-        self.stats = EngineStats()
-        self._ids = itertools.count()
-        self._seeds = itertools.count(seed)
-        self._lock = threading.Lock()
-        self._waiting: deque[tuple[int, Request, float, int]] = deque()
-        self._cancelled: set[int] = set()
-        self._slots: list[_Run | None] = [None] * max_batch  # type: ignore[assignment]
+        self._start_queue(max_batch, seed)
 
     # ------------------------------------------------------------------------------- sizes
     @property
