@@ -204,6 +204,14 @@ def test_bench_budget_too_small_for_n_recent_fails_before_measuring(tmp_path, ca
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("budget, n_recent", [(128, 16), (64, 8), (32, 4)])
+def test_bench_n_recent_auto_is_what_each_policy_fits_to_the_budget(budget, n_recent):
+    # the default --n-recent (auto): each policy's own n_recent, lowered where the budget leaves fewer slots
+    args = build_parser().parse_args(["bench", "--budget", str(budget), "--policy-arg", "window=8"])
+    kwargs = speed_cli._policy_kwargs(args, ["beacon", "snapkv"])
+    assert kwargs == {"beacon": {"n_recent": n_recent}, "snapkv": {"window": 8, "n_recent": n_recent}}
+
+
 # ------------------------------------------------------------------------------------------ engine
 def test_engine_workload_follows_the_traces_and_fits_the_memory_limit():
     from beaconkv.measure.speed.engine_bench import slots_for, trace_lengths, workload_lengths

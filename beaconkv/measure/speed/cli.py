@@ -39,7 +39,7 @@ from ...execution import CompileConfig
 from ...execution.compile_log import compile_logger
 from ...models.config import ModelConfig
 from ...models.loading import load_model, resolve_checkpoint, resolve_device
-from ...policies.registry import auto_n_recent, make_policy, policy_parameters
+from ...policies.registry import make_policy
 from .compile_time import COMPILE_PROMPT, add_compile_arguments, markdown_compile, run_compile_section
 from .curve import measure_cost_curve, plot_cost_curve
 from .engine_bench import EngineRow, add_engine_arguments, check_engine_arguments, markdown_engine, run_engine_section
@@ -297,10 +297,9 @@ def _policy_kwargs(args: argparse.Namespace, names: list[str]) -> dict[str, dict
     shares = policy_args_by_policy(args, names)
     out = {}
     for name in names:
-        own = policy_parameters(name).get("n_recent", 16)
-        n_recent = args.n_recent if args.n_recent is not None else auto_n_recent(args.budget, own)
-        out[name] = {"n_recent": n_recent, **shares[name]}
-        make_policy(name, budget=args.budget, **out[name])
+        kwargs = {**({} if args.n_recent is None else {"n_recent": args.n_recent}), **shares[name]}
+        policy = make_policy(name, budget=args.budget, **kwargs)  # no n_recent: "auto", the policy fits it
+        out[name] = {**kwargs, "n_recent": policy.n_recent}
     return out
 
 
