@@ -11,7 +11,6 @@ error naming it.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -44,20 +43,9 @@ BODY = {"model": NAME, "messages": [{"role": "user", "content": "Count: one two 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Path:
     """A tiny random Llama checkpoint with the embedded tokenizer's files (what ``beaconkv serve`` loads)."""
-    import transformers as tf
+    from tests.serve.conftest import write_tiny_llama
 
-    embedded = Path(beaconkv.embedded_model_path())
-    tok = beaconkv.load_tokenizer(embedded)
-    directory = tmp_path_factory.mktemp("tp-served")
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                            bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, initializer_range=0.5)
-    tf.AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
-    for f in embedded.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, directory / f.name)
-    return directory
+    return write_tiny_llama(tmp_path_factory.mktemp("tp-served"), with_tokenizer=True)
 
 
 def _policy():

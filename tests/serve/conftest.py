@@ -11,10 +11,12 @@ thread, for the tests that need real sockets.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,19 +34,30 @@ PROMPT_CAPACITY = 128
 MAX_NEW = 16
 
 
-@pytest.fixture(scope="session")
-def tiny_served(tmp_path_factory) -> tuple[beaconkv.CausalLM, beaconkv.Tokenizer]:
-    """A tiny random Llama checkpoint over the embedded tokenizer's 49,152-token vocabulary: (model, tokenizer)."""
+def write_tiny_llama(directory: Path, with_tokenizer: bool = False) -> Path:
+    """Writes a tiny random Llama checkpoint over the embedded tokenizer's 49,152-token vocabulary (seed 0)
+    into ``directory``; ``with_tokenizer`` copies the tokenizer's files too (what ``beaconkv serve`` loads)."""
     import transformers as tf
 
-    tok = beaconkv.load_tokenizer(beaconkv.embedded_model_path())
-    directory = tmp_path_factory.mktemp("tiny-served")
+    embedded = Path(beaconkv.embedded_model_path())
+    tok = beaconkv.load_tokenizer(embedded)
     torch.manual_seed(0)
     config = tf.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                             bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, initializer_range=0.5)
     tf.AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
-    return beaconkv.load_model(directory), tok
+    if with_tokenizer:
+        for f in embedded.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(f, directory / f.name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_served(tmp_path_factory) -> tuple[beaconkv.CausalLM, beaconkv.Tokenizer]:
+    """The :func:`write_tiny_llama` checkpoint, loaded: (model, tokenizer)."""
+    directory = write_tiny_llama(tmp_path_factory.mktemp("tiny-served"))
+    return beaconkv.load_model(directory), beaconkv.load_tokenizer(beaconkv.embedded_model_path())
 
 
 def make_engine(model, tok, **kw) -> Engine:
