@@ -108,7 +108,8 @@ def main() -> None:
     for name in args.policies.split(","):
         t0 = time.perf_counter()
         m = measure(model, tok, name, cases, budget, args.n_prefix)
-        print(f"| {name} | {m['digits']:.1%} | {m['whole']:.1%} | {m['scorers']:.1%} | {m['correct']}/{m['n']} "
+        scorers = "–" if m["scorers"] != m["scorers"] else f"{m['scorers']:.1%}"  # nan: no query positions (H2O)
+        print(f"| {name} | {m['digits']:.1%} | {m['whole']:.1%} | {scorers} | {m['correct']}/{m['n']} "
               f"| {time.perf_counter() - t0:.0f} |", flush=True)
 
 
