@@ -43,6 +43,7 @@ from .policies import (
     Periodic,
     PolicyConfigError,
     Schedule,
+    Shared,
     SnapKV,
     StreamingLLM,
     TOVA,
@@ -75,7 +76,7 @@ __all__ = [
     # when a policy evicts: the schedules
     "AtBudget", "Buffered", "Periodic", "Schedule",
     # how a layer's keep count is split between its KV heads: the allocations
-    "HeadAdaptive", "Uniform",
+    "HeadAdaptive", "Shared", "Uniform",
     # cache, storage, execution
     "CompileConfig", "DenseKV", "Int8KV", "KVCache", "KVStorage", "LayerKVCache",
     # the error family

@@ -1,4 +1,4 @@
-"""Eviction under tensor parallelism: each rank evicts its own KV heads; only a head-adaptive split talks.
+"""Eviction under tensor parallelism: each rank evicts its own KV heads; only allocations across heads talk.
 
 Every policy scores and keeps tokens per KV head, and a rank's model has only its KV heads
 (:mod:`beaconkv.distributed.plan`), so a rank's cache, :class:`~beaconkv.policies.PolicyDriver` and
@@ -8,7 +8,7 @@ live on the rank (a replicated KV head's replicas hold the whole group). The sch
 host integers counted from the tokens every rank is given (rank 0 broadcasts them), so every rank
 evicts at the same steps, with the same keep counts, by construction.
 
-Two things need the other ranks:
+Three things need the other ranks:
 
 * :class:`~beaconkv.policies.HeadAdaptive` splits a layer's total between *all* its KV heads by score;
   :class:`RankHeads` (its ``heads`` exchange, :class:`~beaconkv.policies.allocation.HeadExchange`)
@@ -19,9 +19,13 @@ Two things need the other ranks:
   other ranks (:meth:`RankHeads.row_length`, one all-reduce of ``(rows,)`` integers per layer and
   eviction; :func:`attach` installs it), so its slots match the single process's — a scorer that pools
   over neighbouring slots (SnapKV's ``kernel``) would otherwise see other neighbours;
-* a policy option that averages over all the heads of a layer (``TOVA``/``RPC`` with
-  ``group_reduce="all_heads"``) would need every head's scores at every eviction: :func:`for_rank`
-  refuses it, naming the option.
+* :class:`~beaconkv.policies.Shared` keeps the same positions in every head of a layer, ranked by the
+  scores averaged over all of them: the same :class:`RankHeads` all-gathers every head's scores (one
+  ``(b, kv_heads, C)`` gather per layer and eviction) and every rank averages them as one process does;
+  counts stay uniform, so no row length is exchanged;
+* a policy option that averages over all the heads of a layer inside its scorer (``TOVA``/``RPC`` with
+  ``group_reduce="all_heads"``) reads query heads other ranks hold: :func:`for_rank` refuses it, naming
+  the option and ``allocation="shared"``, which gives those policies the same kept sets under TP.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ..cache import KVCache
-from ..policies.allocation import HeadAdaptive
+from ..policies.allocation import HeadAdaptive, Shared
 from ..policies.base import EvictionPolicy
 from .group import TensorParallel, TensorParallelError
 from .plan import ShardPlan
@@ -44,7 +48,7 @@ __all__ = ["RankHeads", "attach", "for_rank"]
 @dataclass(frozen=True)
 class RankHeads:
     """A rank's KV heads among the layer's: the :class:`~beaconkv.policies.allocation.HeadExchange` of a
-    head-adaptive allocation under tensor parallelism.
+    head-adaptive or shared allocation under tensor parallelism.
 
     Args:
         tp: The group.
@@ -81,8 +85,8 @@ def _cross_head_options(policy: EvictionPolicy) -> list[str]:
 
 
 def for_rank(policy: EvictionPolicy, tp: TensorParallel, plan: ShardPlan) -> EvictionPolicy:
-    """The policy a rank runs: ``policy`` itself, or a copy whose head-adaptive allocation gathers the heads
-    of the other ranks (:class:`RankHeads`).
+    """The policy a rank runs: ``policy`` itself, or a copy whose head-adaptive or shared allocation gathers
+    the heads of the other ranks (:class:`RankHeads`).
 
     Args:
         policy: The policy (settings; not changed).
@@ -98,9 +102,10 @@ def for_rank(policy: EvictionPolicy, tp: TensorParallel, plan: ShardPlan) -> Evi
     if odd and tp.size > 1:
         raise TensorParallelError(
             f"{type(policy).__name__} with {', '.join(odd)} averages scores over every head of a layer, which "
-            "tensor parallelism splits between ranks; use group_reduce='mean' (each KV head scores with its own "
-            "GQA group), or tensor_parallel_size=1.")
-    if not _adaptive(policy) or tp.size == 1:
+            "tensor parallelism splits between ranks; use group_reduce='mean' with allocation='shared' (every "
+            "head keeps the positions the layer's average ranks first, the same kept sets), or "
+            "tensor_parallel_size=1.")
+    if not isinstance(getattr(policy, "allocation", None), (HeadAdaptive, Shared)) or tp.size == 1:
         return policy
     mine = copy.copy(policy)
     mine.allocation = dataclasses.replace(policy.allocation, heads=RankHeads(tp, plan))  # type: ignore[attr-defined]

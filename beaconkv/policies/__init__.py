@@ -12,7 +12,7 @@ selection, BeaconKV's state, the query set) stay in their modules
 (:mod:`beaconkv.policies.selection`, :mod:`beaconkv.policies.beacon`, :mod:`beaconkv.policies.query_set`).
 """
 
-from .allocation import Allocation, HeadAdaptive, Uniform, parse_allocation
+from .allocation import Allocation, HeadAdaptive, Shared, Uniform, parse_allocation
 from .base import EvictionPolicy, FullKV
 from .beacon import BeaconKV, InitialRecent
 from .config import PolicyConfigError
@@ -56,7 +56,7 @@ __all__ = [
     # when a policy evicts and how much it keeps: the schedules
     "AtBudget", "Buffered", "Periodic", "Schedule", "parse_schedule",
     # how an eviction's keep count is split between a layer's KV heads: the allocations
-    "Allocation", "HeadAdaptive", "Uniform", "parse_allocation",
+    "Allocation", "HeadAdaptive", "Shared", "Uniform", "parse_allocation",
     # the registry: names -> policies
     "make_policy", "policy_class", "policy_names", "policy_parameters", "register_policy",
     "PolicyConfigError",

@@ -1,4 +1,5 @@
-"""Budget allocation across the KV heads of a layer: every head the same share, or shares that follow the scores.
+"""Budget allocation across the KV heads of a layer: every head the same share (its own positions, or the layer's
+shared ones), or shares that follow the scores.
 
 A policy's scorer decides *which* tokens stay and its schedule *when* and *how many* per sequence; its
 allocation decides how that many are split between the KV heads of a layer. Like a schedule, it is an
@@ -7,6 +8,7 @@ object any scoring policy takes:
 .. code-block:: python
 
     SnapKV(128)                                             # Uniform (the default): every head keeps B_min
+    SnapKV(128, allocation=Shared())                        # every head keeps the same positions
     SnapKV(128, allocation=HeadAdaptive())                  # AdaKV's rule: the layer's total, split by score
     make_policy("beacon", budget=128, allocation="head_adaptive:floor=0.2,headroom=8")
 
@@ -34,7 +36,7 @@ from .config import PolicyConfigError, check_int, check_number, parse_settings, 
 from .schedules import Schedule
 from .selection import EMPTY
 
-__all__ = ["Allocation", "HeadAdaptive", "HeadExchange", "Uniform", "allocation_names", "parse_allocation"]
+__all__ = ["Allocation", "HeadAdaptive", "HeadExchange", "Shared", "Uniform", "allocation_names", "parse_allocation"]
 
 
 class AllocatedPolicy(Protocol):
@@ -81,6 +83,14 @@ class Allocation(ABC):
         schedule needs no device read). Default: 0."""
         return 0
 
+    def head_scores(self, scores: Tensor) -> Tensor:
+        """The scores each KV head ranks its slots by; a device function. Default: the head's own.
+
+        Args:
+            scores: ``(b, kv_heads, C)`` the policy's scores, one row of slots per KV head.
+        """
+        return scores
+
     @abstractmethod
     def head_counts(self, policy: AllocatedPolicy, key: Tensor, n_prefix: Tensor, keep: int) -> Tensor:
         """Slots each KV head keeps at this eviction; a device function (static shapes, no host read).
@@ -108,6 +118,49 @@ class Uniform(Allocation):
 
     def head_counts(self, policy: AllocatedPolicy, key: Tensor, n_prefix: Tensor, keep: int) -> Tensor:
         return (n_prefix + keep)[:, None].expand(-1, key.shape[1])
+
+
+@dataclass(frozen=True, repr=False)
+class Shared(Allocation):
+    """Every KV head of a layer keeps the same positions: the slots ranked by the policy's scores averaged over
+    the layer's KV heads (beyond SPEC, which keeps one set per KV head).
+
+    What TOVA's reference does with ``group_reduce="all_heads"``, made a setting of every scoring policy.
+    A fact a few heads attend to (a number, a name) then stays in every head, so heads that read it later
+    (the copy of its next token) still find it: in the accuracy suite's passkey at 4x, TOVA keeps the number in
+    8 of 10 cases with a shared set and 1 of 10 with per-head sets (docs/benchmarks.md, "Outcomes"). Memory
+    and counts are the uniform allocation's: each head
+    keeps ``n_prefix + B_min``; the slots of all heads hold the same positions from the prefill on, so the
+    scores of one slot index, averaged, are one position's.
+
+    Args:
+        heads: Where the layer's other KV heads are (tensor parallelism: their scores are gathered before the
+            average, so every rank keeps what one process would); None (default): every head is here. Not a
+            setting: not shown, not compared, and refused from a text spec.
+
+    Raises:
+        PolicyConfigError: ``heads`` that is not an exchange.
+    """
+
+    heads: HeadExchange | None = field(default=None, repr=False, compare=False)
+
+    name: ClassVar[str] = "shared"
+
+    def __post_init__(self) -> None:
+        _check_exchange(self.heads)
+
+    def head_scores(self, scores: Tensor) -> Tensor:
+        whole = scores if self.heads is None else self.heads.gather(scores)
+        return whole.mean(1, keepdim=True).expand_as(scores)
+
+    def head_counts(self, policy: AllocatedPolicy, key: Tensor, n_prefix: Tensor, keep: int) -> Tensor:
+        return (n_prefix + keep)[:, None].expand(-1, key.shape[1])
+
+
+def _check_exchange(heads: object) -> None:
+    if heads is not None and not (hasattr(heads, "gather") and hasattr(heads, "local")):
+        raise PolicyConfigError(f"heads={heads!r} is not a setting: it is the exchange tensor parallelism "
+                                "installs (an object with gather and local); leave it out.")
 
 
 @dataclass(frozen=True, repr=False)
@@ -154,9 +207,7 @@ class HeadAdaptive(Allocation):
         check_number("floor", self.floor, 0.0, 1.0, hint="(the share of the average every head keeps; default 0.2)")
         check_int("headroom", self.headroom, 0, optional=True,
                   hint="(evictable slots a head may keep above the average; None: half the eviction gap)")
-        if self.heads is not None and not (hasattr(self.heads, "gather") and hasattr(self.heads, "local")):
-            raise PolicyConfigError(f"heads={self.heads!r} is not a setting: it is the exchange tensor parallelism "
-                                    "installs (an object with gather and local); leave it out.")
+        _check_exchange(self.heads)
 
     def check(self, policy: AllocatedPolicy) -> None:
         if policy.schedule.sizes_itself or policy.budget is None:
@@ -205,7 +256,7 @@ class HeadAdaptive(Allocation):
         return base + taken.view(B, H, C).sum(-1)
 
 
-_ALLOCATIONS: dict[str, type[Allocation]] = {cls.name: cls for cls in (Uniform, HeadAdaptive)}
+_ALLOCATIONS: dict[str, type[Allocation]] = {cls.name: cls for cls in (Uniform, Shared, HeadAdaptive)}
 
 
 def allocation_names() -> list[str]:

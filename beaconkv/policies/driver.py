@@ -51,7 +51,8 @@ def evict_layer(policy: Any, layer: ObservedLayer, rows: Tensor, t: Tensor, n_pr
         ``(b, kv_heads, K)`` the kept positions (``-1`` padding), for telemetry.
     """
     pos = layer.positions(rows)
-    scores = protected_scores(policy.schedule, policy, policy.score(layer, rows, t), pos, t)
+    scores = protected_scores(policy.schedule, policy, policy.allocation.head_scores(policy.score(layer, rows, t)),
+                              pos, t)
     key = None
     if policy.allocation.adaptive:  # the layer's total split between heads by score
         key = ranking_key(scores, pos, n_prefix, t, policy.n_recent)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from beaconkv import RPC, TOVA, BeaconKV, HeadAdaptive, KVCache, SnapKV
+from beaconkv import RPC, TOVA, BeaconKV, HeadAdaptive, KVCache, Shared, SnapKV
 from beaconkv.distributed import RankHeads, ShardPlan, TensorParallelError, for_rank
 from beaconkv.distributed.heads import attach
 from beaconkv.models.config import ModelConfig
@@ -68,7 +68,7 @@ def test_head_adaptive_split_over_ranks_equals_the_whole_layers(heads, kv, size)
     assert differs == (len(plans[0].kv_heads) < kv)
 
 
-def test_for_rank_copies_only_a_head_adaptive_policy_and_refuses_all_heads_averages():
+def test_for_rank_copies_only_a_policy_whose_allocation_exchanges_heads_and_refuses_all_heads_averages():
     plans = [ShardPlan(config(8, 4), 2, r) for r in range(2)]
     tp = OneRankOf(plans, 1, torch.zeros(1, 4, 1))
     uniform = BeaconKV(16)
@@ -78,8 +78,12 @@ def test_for_rank_copies_only_a_head_adaptive_policy_and_refuses_all_heads_avera
     assert mine is not adaptive and adaptive.allocation.heads is None  # the caller's policy is unchanged
     assert isinstance(mine.allocation.heads, RankHeads) and mine.allocation == adaptive.allocation
     assert repr(mine.allocation) == "HeadAdaptive(floor=0.3)"
+    shared = TOVA(16, allocation=Shared())
+    mine = for_rank(shared, tp, plans[1])
+    assert isinstance(mine.allocation.heads, RankHeads) and shared.allocation.heads is None
     for policy in (TOVA(16, group_reduce="all_heads"), RPC(16, group_reduce="all_heads")):
-        with pytest.raises(TensorParallelError, match="group_reduce='all_heads' averages scores over every head"):
+        with pytest.raises(TensorParallelError, match="group_reduce='all_heads' averages scores over every head"
+                           ".*allocation='shared'"):
             for_rank(policy, tp, plans[1])
 
 

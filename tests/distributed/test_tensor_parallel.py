@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import beaconkv
-from beaconkv import BeaconKV, ExpectedAttention, H2O, HeadAdaptive, RPC, SnapKV
+from beaconkv import RPC, BeaconKV, ExpectedAttention, H2O, HeadAdaptive, Shared, SnapKV
 from beaconkv.distributed import MirroredEngine, TensorParallelRun
 from beaconkv.engine import Engine, Request
 
@@ -31,6 +31,7 @@ POLICIES = {
     "rpc": lambda: RPC(16, window=8, telemetry=True),
     "expected_attention": lambda: ExpectedAttention(16, window=8, n_future_positions=64, telemetry=True),
     "head_adaptive": lambda: SnapKV(16, allocation=HeadAdaptive(), telemetry=True),
+    "shared": lambda: BeaconKV(16, allocation=Shared(), telemetry=True),
 }
 PROMPTS = [[1, 5, 9, 11, 3, 7, 20, 40, 33, 12, 8], [1, 4, 4, 60, 70], list(range(1, 30))]
 TIMEOUT_S = 30.0

@@ -1,6 +1,7 @@
-"""Head-adaptive budgets (AdaKV's rule) as an option of any scoring policy: the layer's total is the uniform
-one at every eviction, every head keeps at least its floor and at most its ceiling, memory is unchanged, and
-the split follows the scores (a hand-built cache where one head's scores are all higher)."""
+"""Allocations across the KV heads of a layer, an option of any scoring policy. Head-adaptive budgets (AdaKV's
+rule): the layer's total is the uniform one at every eviction, every head keeps at least its floor and at most
+its ceiling, memory is unchanged, and the split follows the scores (a hand-built cache where one head's scores
+are all higher). Shared: every head keeps the same positions, the ones the layer's average score ranks first."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from beaconkv.policies import HeadAdaptive, Uniform, make_policy, parse_allocation
+from beaconkv.policies import TOVA, HeadAdaptive, Shared, Uniform, make_policy, parse_allocation
 from beaconkv.policies.config import PolicyConfigError
 from beaconkv.policies.schedules import Buffered, Periodic
 
@@ -112,6 +113,28 @@ def test_parse_allocation_reads_names_and_settings():
     assert parse_allocation("uniform") == Uniform()
     assert parse_allocation("head-adaptive:floor=0.5,headroom=3") == HeadAdaptive(floor=0.5, headroom=3)
     assert parse_allocation("head_adaptive:headroom=none") == HeadAdaptive()
+    assert parse_allocation("shared") == Shared() and repr(Shared()) == "Shared()"
+    with pytest.raises(PolicyConfigError, match="heads=3 is not a setting"):
+        Shared(heads=3)
+
+
+def _window(name: str) -> dict:
+    return {"window": 4} if name in ("snapkv", "rkv", "expected_attention") else {}
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(st.sampled_from(SCORERS), st.integers(1, 4), st.sampled_from([None, 2]), st.integers(0, 99))
+def test_shared_keeps_the_same_positions_in_every_head_of_a_layer(name, n_recent, n_prefix, seed):
+    # drive() checks the invariants of every step (budget, prefix, recent, K/V bit-identical) as for any policy
+    budget = 8 * n_recent + 8
+    policy = make_policy(name, budget=budget, n_recent=n_recent, n_prefix=n_prefix, allocation="shared",
+                         **_window(name))
+    cache, state = drive(policy, [5, 13], 3 * budget, n_kv=3, seed=seed)
+    assert min(state.stats.evictions) > 0
+    for layer in cache.layers:
+        assert torch.equal(layer.pos, layer.pos[:, :1].expand_as(layer.pos)), name
+    assert cache.capacity == make_policy(name, budget=budget, n_recent=n_recent, n_prefix=n_prefix,
+                                         **_window(name)).capacity([5, 13], 3 * budget), "memory is uniform's"
 
 
 # ------------------------------------------------------------------- through the model
@@ -137,6 +160,39 @@ def test_a_head_adaptive_policy_compiles_fullgraph_with_the_same_tokens_and_kept
     # the heads of a layer did keep different counts at some eviction (the split is not the uniform one)
     counts = {tuple((r.kept_positions >= 0).sum(-1).flatten().tolist()) for r in eager.telemetry}
     assert any(len(set(c)) > 1 for c in counts)
+
+
+@pytest.mark.parametrize("name", ["beacon", "snapkv"])
+def test_shared_sets_differ_from_per_head_ones_and_compile_to_the_same_kept_positions(llama, name):
+    import beaconkv
+    from beaconkv.execution import CompileConfig
+
+    def run(allocation, **kw):
+        policy = make_policy(name, budget=64, n_recent=8, allocation=allocation, telemetry=True)
+        out = beaconkv.generate(llama, None, _prompts(), policy=policy, max_new_tokens=90, eos_token_ids=[], **kw)
+        return out, [(r.step, r.layer, r.rows, r.kept_positions.tolist()) for r in out.telemetry]
+
+    (_, uniform), (eager, shared) = run("uniform"), run("shared")
+    _, compiled = run("shared", compile=CompileConfig(backend="aot_eager"))
+    assert min(eager.stats.evictions) >= 3 and compiled == shared
+    every_head_alike = [all(h == kept[r][0] for r in range(len(kept)) for h in kept[r]) for *_, kept in shared]
+    assert all(every_head_alike)
+    assert not all(all(h == kept[r][0] for r in range(len(kept)) for h in kept[r]) for *_, kept in uniform), \
+        "per-head sets never differed: the shared check would prove nothing"
+
+
+def test_shared_tova_keeps_what_tova_averaged_over_all_heads_keeps(llama):
+    # TOVA's reference averages its scores over every head of a layer (group_reduce="all_heads"); the
+    # shared allocation over TOVA's per-group mean is the same average, computed by the allocation
+    import beaconkv
+
+    def kept(policy):
+        out = beaconkv.generate(llama, None, _prompts(), policy=policy, max_new_tokens=90, eos_token_ids=[])
+        return out.token_ids, [(r.step, r.layer, r.kept_positions.tolist()) for r in out.telemetry]
+
+    reference = kept(TOVA(64, n_recent=8, group_reduce="all_heads", telemetry=True))
+    assert len(reference[1]) > 0
+    assert kept(TOVA(64, n_recent=8, allocation=Shared(), telemetry=True)) == reference
 
 
 def test_int8_storage_takes_a_head_adaptive_allocation():
