@@ -121,7 +121,7 @@ class Uniform(Allocation):
 
 
 @dataclass(frozen=True, repr=False)
-class Shared(Allocation):
+class Shared(Uniform):
     """Every KV head of a layer keeps the same positions: the slots ranked by the policy's scores averaged over
     the layer's KV heads (beyond SPEC, which keeps one set per KV head).
 
@@ -129,8 +129,7 @@ class Shared(Allocation):
     A fact a few heads attend to (a number, a name) then stays in every head, so heads that read it later
     (the copy of its next token) still find it: in the accuracy suite's passkey at 4x, TOVA keeps the number in
     8 of 10 cases with a shared set and 1 of 10 with per-head sets (docs/benchmarks.md, "Outcomes"). Memory
-    and counts are the uniform allocation's: each head
-    keeps ``n_prefix + B_min``; the slots of all heads hold the same positions from the prefill on, so the
+    and counts are the uniform allocation's (its ``head_counts``): each head keeps ``n_prefix + B_min``; the slots of all heads hold the same positions from the prefill on, so the
     scores of one slot index, averaged, are one position's.
 
     Args:
@@ -152,9 +151,6 @@ class Shared(Allocation):
     def head_scores(self, scores: Tensor) -> Tensor:
         whole = scores if self.heads is None else self.heads.gather(scores)
         return whole.mean(1, keepdim=True).expand_as(scores)
-
-    def head_counts(self, policy: AllocatedPolicy, key: Tensor, n_prefix: Tensor, keep: int) -> Tensor:
-        return (n_prefix + keep)[:, None].expand(-1, key.shape[1])
 
 
 def _check_exchange(heads: object) -> None:
