@@ -129,8 +129,9 @@ class Shared(Uniform):
     A fact a few heads attend to (a number, a name) then stays in every head, so heads that read it later
     (the copy of its next token) still find it: in the accuracy suite's passkey at 4x, TOVA keeps the number in
     8 of 10 cases with a shared set and 1 of 10 with per-head sets (docs/benchmarks.md, "Outcomes"). Memory
-    and counts are the uniform allocation's (its ``head_counts``): each head keeps ``n_prefix + B_min``; the slots of all heads hold the same positions from the prefill on, so the
-    scores of one slot index, averaged, are one position's.
+    and counts are the uniform allocation's (its ``head_counts``): each head keeps ``n_prefix + B_min``; the
+    slots of all heads hold the same positions from the prefill on, so the scores of one slot index, averaged,
+    are one position's.
 
     Args:
         heads: Where the layer's other KV heads are (tensor parallelism: their scores are gathered before the
